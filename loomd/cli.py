@@ -1,0 +1,205 @@
+"""`loom`: the operator CLI, thin commands over client.py. Human output by default, `--json` everywhere."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from .client import Client
+from .config import load_config
+from .errors import LoomdError
+
+
+def _emit(data: Any, as_json: bool, human: Callable[[Any], str]) -> None:
+    click.echo(json.dumps(data, indent=2, default=str, ensure_ascii=False) if as_json else human(data))
+
+
+def _call(op: str, args: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
+    try:
+        with Client(timeout=timeout) as client:
+            return client.call(op, args or {})
+    except LoomdError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except OSError as exc:
+        raise click.ClickException(f"cannot talk to loomd: {exc}") from exc
+
+
+def _day(ts: float | None) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d") if ts else "-"
+
+
+def _memory_line(m: dict[str, Any]) -> str:
+    flag = " (archived)" if m.get("archived_at") else ""
+    return f"#{m['id']:<6} {m['kind']:<11} {_day(m.get('created'))}  {m['text'][:160]}{flag}"
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="print JSON")
+
+
+@click.group()
+@click.version_option(package_name="loomd")
+def main() -> None:
+    """loom: talk to the loomd memory daemon."""
+
+
+@main.command()
+@json_option
+def status(as_json: bool) -> None:
+    """Is the daemon up, and what does it hold."""
+    data = _call("status")
+
+    def human(s: dict[str, Any]) -> str:
+        c = s["counts"]
+        return (f"loomd {s['version']} pid {s['pid']} up {s['uptime_s']:.0f}s on {s['socket']}\n"
+                f"db {s['db']} ({s['db_bytes'] / 1e6:.1f} MB): {c['events']} events, {c['sessions']} sessions, "
+                f"{c['memories']} memories ({c['archived']} archived)\n"
+                f"spool backlog {s['spool_backlog']}, queue depth {s['queue_depth']}, "
+                f"embedder {s['embedder'].get('provider')}")
+    _emit(data, as_json, human)
+
+
+@main.command()
+@click.argument("op")
+@click.option("--json", "args_json", default="{}", help="the op's arguments as a JSON object")
+def call(op: str, args_json: str) -> None:
+    """Send any op with JSON arguments; print the JSON result (the generic client for scripts)."""
+    try:
+        args = json.loads(args_json)
+    except ValueError as exc:
+        raise click.ClickException(f"--json is not valid JSON: {exc}") from exc
+    if not isinstance(args, dict):
+        raise click.ClickException("--json must be a JSON object")
+    click.echo(json.dumps(_call(op, args), indent=2, default=str, ensure_ascii=False))
+
+
+@main.command()
+@click.argument("text")
+@click.option("--kind", default="fact", show_default=True)
+@click.option("--scope", default="project", show_default=True, type=click.Choice(["user", "project", "session"]))
+@click.option("--tag", "tags", multiple=True)
+@click.option("--importance", default=0.7, show_default=True, type=float)
+@click.option("--ttl-days", type=float, default=None)
+@json_option
+def store(text: str, kind: str, scope: str, tags: tuple[str, ...], importance: float, ttl_days: float | None,
+          as_json: bool) -> None:
+    """Remember TEXT for this project (from the current directory)."""
+    data = _call("store", {"text": text, "kind": kind, "scope": scope, "tags": list(tags), "importance": importance,
+                           "ttl_days": ttl_days, "cwd": os.getcwd()})
+    _emit(data, as_json, lambda d: f"{'stored' if d['created'] else 'already known'} #{d['id']} ({d['project']})")
+
+
+@main.command()
+@click.argument("query")
+@click.option("--limit", default=10, show_default=True)
+@click.option("--mode", default="hybrid", type=click.Choice(["keyword", "semantic", "hybrid"]), show_default=True)
+@click.option("--kind", "kinds", multiple=True)
+@click.option("--all-projects", is_flag=True, help="do not limit to the current directory's project")
+@click.option("--archived", is_flag=True, help="include archived memories")
+@click.option("--explain", is_flag=True, help="show each signal's rank and score")
+@json_option
+def search(query: str, limit: int, mode: str, kinds: tuple[str, ...], all_projects: bool, archived: bool,
+           explain: bool, as_json: bool) -> None:
+    """Search memories."""
+    args: dict[str, Any] = {"query": query, "limit": limit, "mode": mode, "include_archived": archived,
+                            "explain": explain}
+    if kinds:
+        args["kind"] = list(kinds)
+    if not all_projects:
+        args["cwd"] = os.getcwd()
+    data = _call("search", args)
+
+    def human(d: dict[str, Any]) -> str:
+        lines = []
+        for m in d["results"]:
+            lines.append(_memory_line(m))
+            if explain and m.get("explain"):
+                lines.append("        " + json.dumps(m["explain"], default=str))
+        return "\n".join(lines) or "no results"
+    _emit(data, as_json, human)
+
+
+@main.command()
+@click.argument("ids", nargs=-1, type=int, required=True)
+@json_option
+def detail(ids: tuple[int, ...], as_json: bool) -> None:
+    """Show memories in full, with their sources."""
+    data = _call("detail", {"id": list(ids)})
+
+    def human(d: dict[str, Any]) -> str:
+        out = []
+        for m in d["memories"]:
+            out.append(_memory_line(m))
+            out.append(f"        project {m['project']} scope {m['scope']} importance {m['importance']} "
+                       f"hits {m['hits']} tags {' '.join(m['tags']) or '-'}")
+            out.append("        " + m["text"])
+            for s in m.get("sources", []):
+                out.append(f"        source event {s['event_id']} {s['kind']} session {s['session_id']}")
+        return "\n".join(out)
+    _emit(data, as_json, human)
+
+
+@main.command()
+@click.argument("ids", nargs=-1, type=int, required=True)
+@click.option("--reason", default="forget")
+@json_option
+def forget(ids: tuple[int, ...], reason: str, as_json: bool) -> None:
+    """Archive memories (never deleted; `loom restore` brings them back)."""
+    _emit(_call("forget", {"id": list(ids), "reason": reason}), as_json, lambda d: f"archived {d['archived']}")
+
+
+@main.command()
+@click.argument("ids", nargs=-1, type=int, required=True)
+@json_option
+def restore(ids: tuple[int, ...], as_json: bool) -> None:
+    """Un-archive memories."""
+    _emit(_call("restore", {"id": list(ids)}), as_json, lambda d: f"restored {d['restored']}")
+
+
+@main.command()
+@click.option("--limit", default=20, show_default=True)
+@click.option("--session", default=None)
+@json_option
+def events(limit: int, session: str | None, as_json: bool) -> None:
+    """Show the most recent raw events."""
+    data = _call("events", {"limit": limit, "session_id": session})
+
+    def human(d: dict[str, Any]) -> str:
+        return "\n".join(
+            f"{e['id']:<7} {dt.datetime.fromtimestamp(e['ts']):%m-%d %H:%M:%S} {e['agent']:<6} {e['kind']:<17} "
+            f"{e['session_id'][:12]} {e['tool_name'] or ''}" for e in d["events"]) or "no events"
+    _emit(data, as_json, human)
+
+
+@main.command()
+@click.option("--local", is_flag=True, help="read the config here instead of asking the daemon")
+@json_option
+def config(local: bool, as_json: bool) -> None:
+    """The effective configuration and where each value came from."""
+    if local:
+        try:
+            data = load_config().public()
+        except LoomdError as exc:
+            raise click.ClickException(str(exc)) from exc
+    else:
+        data = _call("config")
+    _emit(data, as_json, lambda d: "\n".join(f"{k:<34} {v['value']!s:<40} ({v['source']})" for k, v in d.items()))
+
+
+@main.command()
+@json_option
+def doctor(as_json: bool) -> None:
+    """Check everything a user could get wrong; exit non-zero on any FAIL."""
+    from .doctor import run_checks
+
+    findings = run_checks()
+    _emit([f.__dict__ for f in findings], as_json,
+          lambda fs: "\n".join(f"{f['status']:<4} {f['name']:<22} {f['detail']}" + (f"\n     fix: {f['fix']}"
+                               if f["fix"] and f["status"] != "OK" else "") for f in fs))
+    if any(f.status == "FAIL" for f in findings):
+        sys.exit(1)

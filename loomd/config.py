@@ -1,0 +1,174 @@
+"""Effective configuration: defaults, then the TOML file, then `LOOMD_*` variables. No side effects."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import BadRequest
+
+ENV_PREFIX = "LOOMD_"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where loomd keeps its files. `LOOMD_HOME` puts every one of them under one folder."""
+
+    data_dir: Path
+    state_dir: Path
+    runtime_dir: Path
+    config_file: Path
+
+    @property
+    def db(self) -> Path:
+        return self.data_dir / "loomd.db"
+
+    @property
+    def socket(self) -> Path:
+        return self.runtime_dir / "loomd.sock"
+
+    @property
+    def spool(self) -> Path:
+        return self.state_dir / "spool"
+
+    @property
+    def logs(self) -> Path:
+        return self.state_dir / "logs"
+
+
+def resolve_paths(env: Mapping[str, str] | None = None) -> Paths:
+    """Compute the paths; the shim repeats this logic (it may not import loomd), keep both in step."""
+    env = os.environ if env is None else env
+    if env.get("LOOMD_HOME"):
+        home = Path(env["LOOMD_HOME"]).expanduser()
+        return Paths(home, home, home, home / "config.toml")
+    user_home = Path(env.get("HOME") or Path.home())
+    data = Path(env.get("XDG_DATA_HOME") or user_home / ".local" / "share") / "loomd"
+    state = Path(env.get("XDG_STATE_HOME") or user_home / ".local" / "state") / "loomd"
+    runtime = Path(env["XDG_RUNTIME_DIR"]) / "loomd" if env.get("XDG_RUNTIME_DIR") else state
+    config_file = Path(env.get("XDG_CONFIG_HOME") or user_home / ".config") / "loomd" / "config.toml"
+    if env.get("LOOMD_CONFIG"):
+        config_file = Path(env["LOOMD_CONFIG"]).expanduser()
+    return Paths(data, state, runtime, config_file)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every tunable of the daemon. Field names are the TOML keys and, upper-cased, the env suffix."""
+
+    log_level: str = "INFO"
+    max_frame_bytes: int = 8 * 1024 * 1024
+    max_tool_output_chars: int = 16_000
+    drain_timeout_s: float = 5.0
+    max_inflight: int = 256
+    busy_timeout_ms: int = 5000
+    # hook path
+    context_deadline_ms: int = 150
+    ack_deadline_ms: int = 1000
+    capture_rate_per_session: int = 60
+    # context planner
+    start_block_chars: int = 700
+    start_block_chars_claude: int = 0
+    start_block_chars_codex: int = 0
+    prompt_block_chars: int = 600
+    prompt_block_lines: int = 3
+    prompt_min_score: float = 0.5
+    # retrieval
+    embedder: str = "local"
+    embed_url: str = ""
+    embed_model: str = "text-embedding-3-small"
+    embed_key: str = ""
+    embed_dim: int = 384
+    recency_half_life_days: float = 30.0
+    # workers
+    passive: bool = False
+    observe_after_tokens: int = 10_000
+    reflect_after_tokens: int = 20_000
+    reflection_context_max_tokens: int = 10_000
+    observations_pool_max_tokens: int = 20_000
+    observations_pool_target_tokens: int = 10_000
+    event_ttl_days: float = 30.0
+    memory_ttl_days: float = 0.0
+    project_memory_cap: int = 5000
+    worker_interval_s: float = 60.0
+    # optional model endpoint
+    model_api: str = ""  # "" | "openai" | "anthropic"
+    model_url: str = ""
+    model_name: str = ""
+    model_key: str = ""
+    model_daily_tokens: int = 200_000
+    model_timeout_s: float = 30.0
+    # transcripts
+    tail_transcripts: bool = True
+    codex_home: str = ""
+
+    paths: Paths = field(default_factory=resolve_paths, compare=False)
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def public(self) -> dict[str, Any]:
+        """The config as plain values with secrets masked, plus where each value came from."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("paths", "sources"):
+                continue
+            value = getattr(self, f.name)
+            if f.name.endswith("_key") and value:
+                value = "***"
+            out[f.name] = {"value": value, "source": self.sources.get(f.name, "default")}
+        for name in ("db", "socket", "spool", "logs", "config_file", "data_dir", "state_dir"):
+            out[f"path.{name}"] = {"value": str(getattr(self.paths, name)), "source": "derived"}
+        return out
+
+    def start_block_budget(self, agent: str) -> int:
+        per_agent = {"claude": self.start_block_chars_claude, "codex": self.start_block_chars_codex}.get(agent, 0)
+        return per_agent or self.start_block_chars
+
+
+def _coerce(name: str, kind: type, raw: Any) -> Any:
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        return kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"config {name}: cannot read {raw!r} as {kind.__name__}") from exc
+
+
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def load_config(env: Mapping[str, str] | None = None) -> Config:
+    """Defaults, overridden by the TOML file, overridden by `LOOMD_<NAME>` variables."""
+    env = os.environ if env is None else env
+    paths = resolve_paths(env)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    file_values: dict[str, Any] = {}
+    if paths.config_file.is_file():
+        try:
+            file_values = tomllib.loads(paths.config_file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise BadRequest(f"config file {paths.config_file}: {exc}") from exc
+    for f in dataclasses.fields(Config):
+        if f.name in ("paths", "sources"):
+            continue
+        kind = _KINDS[f.type] if isinstance(f.type, str) else f.type
+        if f.name in file_values:
+            values[f.name] = _coerce(f.name, kind, file_values[f.name])
+            sources[f.name] = str(paths.config_file)
+        env_name = ENV_PREFIX + f.name.upper()
+        if env_name in env:
+            values[f.name] = _coerce(f.name, kind, env[env_name])
+            sources[f.name] = f"env {env_name}"
+    return Config(**values, paths=paths, sources=sources)

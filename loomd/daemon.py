@@ -1,0 +1,276 @@
+"""The daemon's lifecycle: startup, serve, shutdown; signals, socket activation, sd_notify, uvloop.
+
+Shutdown order (signals only set an event; the serve loop does the work):
+1. stop accepting connections;
+2. drain in-flight requests, bounded by `drain_timeout_s`;
+3. stop background work (scheduler, watchers) and the event writer, committing what was accepted;
+4. close the database;
+5. unlink the socket (unless systemd owns it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .config import Config, load_config
+from .errors import LoomdError
+from .ingest import Event, EventWriter
+from .ops import Ops
+from .retrieval import SearchContext
+from .server import Server
+from .spool import Spool
+from .store import Store
+from .tailer import Tailer
+
+log = logging.getLogger("loomd")
+
+STARTUP_FAILURE = 3
+SD_LISTEN_FDS_START = 3
+
+
+class StartupError(Exception):
+    """Startup cannot go on; the message says exactly why. Exit status 3."""
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) our state; a no-op outside systemd."""
+    target = os.environ.get("NOTIFY_SOCKET")
+    if not target:
+        return
+    address = "\0" + target[1:] if target.startswith("@") else target
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(message.encode(), address)
+
+
+def inherited_socket() -> socket.socket | None:
+    """The listening socket systemd or launchd passed us (LISTEN_FDS), if any."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()) or int(os.environ.get("LISTEN_FDS", "0") or 0) < 1:
+        return None
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)
+    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    sock.setblocking(False)
+    return sock
+
+
+def socket_is_live(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+                return False
+            raise
+    return True
+
+
+class Daemon:
+    """Owns the store, the server and the background tasks of one running loomd."""
+
+    def __init__(self, config: Config, *, listen_sock: socket.socket | None = None) -> None:
+        self.config = config
+        self.listen_sock = listen_sock
+        self.socket_path = config.paths.socket
+        self.started = time.time()
+        self.should_exit = asyncio.Event()
+        self.store: Store
+        self.writer: EventWriter
+        self.server: Server | None = None
+        self.spool: Spool | None = None
+        self.tailer: Tailer | None = None
+        self.ops = Ops(self)
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._lock_fd: int | None = None
+        self._owns_socket = False
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        os.umask(0o077)  # every file and folder we create is the owner's alone, whatever umask we inherited
+        paths = self.config.paths
+        for directory in {paths.data_dir, paths.state_dir, paths.runtime_dir}:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._take_lock(paths.data_dir / "loomd.lock")
+        if self.listen_sock is None:
+            if self.socket_path.exists() or self.socket_path.is_symlink():
+                if socket_is_live(self.socket_path):
+                    raise StartupError(f"another loomd is already listening on {self.socket_path}")
+                log.info("removing stale socket %s", self.socket_path)
+                self.socket_path.unlink()
+        try:
+            self.store = await Store.open(paths.db, busy_timeout_ms=self.config.busy_timeout_ms)
+        except LoomdError as exc:
+            raise StartupError(str(exc)) from exc
+        self.writer = EventWriter(self.store, max_pending=self.config.max_inflight)
+        self.writer.start()
+        self.tailer = Tailer(self.config, self.store, self.writer)
+        self.writer.listeners.append(self.tailer.listener)
+        self.spool = Spool(paths.spool, self._ingest_spooled)
+        self.spool.prepare()
+        self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
+                             max_inflight=self.config.max_inflight)
+        if self.listen_sock is not None:
+            await self.server.start(sock=self.listen_sock)
+        else:
+            await self.server.start(path=str(self.socket_path))
+            self._owns_socket = True
+        self.spawn(self.spool.watch(self.should_exit), "spool")
+        self.spawn(self.tailer.run(self.should_exit), "tailer")
+        log.info("loomd %s listening on %s (db %s)", __version__, self.socket_path, paths.db)
+        sd_notify("READY=1\nSTATUS=serving")
+
+    def _take_lock(self, path: Path) -> None:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise StartupError(
+                f"another loomd (pid {holder}) already owns {path.parent}; stop it first (loom status)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s failed: %r", task.get_name(), task.exception())
+
+    async def serve(self) -> None:
+        try:
+            await self.startup()
+        except BaseException:
+            await self._close_resources()
+            raise
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.should_exit.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        try:
+            await self.should_exit.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            await self.shutdown()
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config; what needs a restart (paths, frame limits) keeps its old value."""
+        try:
+            fresh = load_config()
+        except LoomdError as exc:
+            log.error("config reload failed, keeping the old config: %s", exc)
+            return
+        self.config = fresh
+        logging.getLogger().setLevel(fresh.log_level.upper())
+        log.info("config reloaded")
+
+    async def shutdown(self) -> None:
+        sd_notify("STOPPING=1")
+        log.info("shutting down")
+        if self.server is not None:
+            self.server.stop_accepting()
+            left = await self.server.drain(self.config.drain_timeout_s)
+            if left:
+                log.warning("cancelled %d request(s) still running after %.1fs", left, self.config.drain_timeout_s)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close_resources()
+        log.info("stopped")
+
+    async def _close_resources(self) -> None:
+        if hasattr(self, "writer"):
+            await self.writer.stop()
+        if hasattr(self, "store"):
+            await self.store.close()
+        if self._owns_socket:
+            self.socket_path.unlink(missing_ok=True)
+            self._owns_socket = False
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # --- services for ops ------------------------------------------------------------------------------------
+
+    async def _ingest_spooled(self, args: dict[str, Any]) -> None:
+        await self.ops.handle_ingest(args)
+
+    async def hook_context(self, event: Event, deadline_ms: int) -> str:
+        """What a SessionStart / UserPromptSubmit hook should print; empty until the planner has something."""
+        return ""
+
+    def retrieval_context(self) -> SearchContext:
+        return SearchContext(self.store)
+
+    def embedder_status(self) -> dict[str, Any]:
+        return {"provider": "none", "note": "full-text search only"}
+
+    async def after_memory_write(self, db: Any, ids: list[int]) -> None:
+        """Hook for derived data written in the same transaction as a memory."""
+
+    def memories_changed(self) -> None:
+        """Hook for background work that follows memory writes."""
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        stream=sys.stderr, level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def loop_factory() -> asyncio.AbstractEventLoop:
+    """uvloop where it exists (not on Windows), else the default loop; no global policy is set."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(config: Config) -> int:
+    daemon = Daemon(config, listen_sock=inherited_socket())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        try:
+            runner.run(daemon.serve())
+        except StartupError as exc:
+            log.error("startup failed: %s", exc)
+            sys.stderr.write(f"loomd: {exc}\n")
+            return STARTUP_FAILURE
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loomd", description="loomd: long-term memory daemon for coding agents")
+    parser.add_argument("command", nargs="?", default="serve", choices=["serve"], help="run in the foreground")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config()
+    except LoomdError as exc:
+        sys.stderr.write(f"loomd: {exc}\n")
+        return STARTUP_FAILURE
+    setup_logging(args.log_level or config.log_level)
+    return run(config)

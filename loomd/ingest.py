@@ -1,0 +1,313 @@
+"""Hook and transcript events -> normalised, redacted, idempotent rows, committed by group commit."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiosqlite
+
+from .errors import BadRequest, Busy
+from .project import project_of
+from .redact import redact_text, redact_value
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+AGENTS = ("claude", "codex")
+# Events that carry the text worth remembering, and where it sits in the payload.
+TEXT_FIELDS = ("prompt", "last_assistant_message", "message", "custom_instructions", "last-assistant-message")
+
+
+@dataclass
+class Event:
+    """One normalised event, ready to insert. `key` is the idempotency key; `dedup` merges hook and transcript."""
+
+    key: str
+    agent: str
+    session_id: str
+    kind: str
+    source: str
+    ts: float
+    payload: dict[str, Any]
+    cwd: str | None = None
+    project: str = ""
+    transcript_path: str | None = None
+    tool_name: str | None = None
+    tool_use_id: str | None = None
+    dedup: str | None = None
+    id: int | None = None
+    stored: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return max(1, len(event_text(self)) // 4)
+
+
+def truncate_strings(value: Any, max_chars: int) -> Any:
+    """Cut every long string with a marker; oversized tool output is kept in part, never rejected."""
+    if isinstance(value, str):
+        if len(value) > max_chars:
+            return value[:max_chars] + f"…[truncated {len(value) - max_chars} chars]"
+        return value
+    if isinstance(value, dict):
+        return {str(k): truncate_strings(v, max_chars) for k, v in value.items()}
+    if isinstance(value, list):
+        return [truncate_strings(v, max_chars) for v in value[:1000]]
+    return value
+
+
+def detect_agent(hint: str, payload: dict[str, Any]) -> str:
+    if hint in AGENTS:
+        return hint
+    transcript = str(payload.get("transcript_path") or "")
+    if "turn_id" in payload or "thread-id" in payload or "/rollout-" in transcript or "/.codex/" in transcript:
+        return "codex"
+    return "claude"
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:20]
+
+
+def prompt_dedup(text: str) -> str:
+    """Hook prompts and transcript user lines of one session merge on this."""
+    return "p:" + _short_hash(" ".join(text.split()))
+
+
+def parse_hook(
+    agent_hint: str, event_name: str, raw: bytes | str, eid: str | None, *, max_chars: int, now: float | None = None
+) -> Event:
+    """Turn the bytes a hook received into an Event; the shim parsed nothing, so every check happens here."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"hook payload is not valid UTF-8 (byte {exc.start})") from exc
+    else:
+        text = raw
+    try:
+        payload = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"hook payload is not valid JSON: {str(exc)[:200]}") from exc
+    if not isinstance(payload, dict):
+        raise BadRequest(f"hook payload must be a JSON object, got {type(payload).__name__}")
+    agent = detect_agent(agent_hint, payload)
+    kind = str(payload.get("hook_event_name") or event_name or "")
+    if payload.get("type") == "agent-turn-complete" or event_name == "notify":
+        kind = "TurnComplete"
+    if not kind:
+        raise BadRequest("hook event name missing: pass 'event' or include 'hook_event_name'")
+    session_id = str(payload.get("session_id") or payload.get("thread-id") or "")
+    if not session_id:
+        raise BadRequest("hook payload has no session_id")
+    payload = redact_value(truncate_strings(payload, max_chars))
+    assert isinstance(payload, dict)
+    tool_use_id = payload.get("tool_use_id")
+    tool_use_id = str(tool_use_id) if tool_use_id else None
+    dedup = None
+    if tool_use_id and kind == "PostToolUse":
+        dedup = f"tr:{tool_use_id}"
+    elif tool_use_id and kind == "PreToolUse":
+        dedup = f"tu:{tool_use_id}"
+    elif kind == "UserPromptSubmit" and isinstance(payload.get("prompt"), str):
+        dedup = prompt_dedup(payload["prompt"])
+    key = f"eid:{eid}" if eid else "h:" + hashlib.sha256(
+        f"{agent}\0{kind}\0".encode() + (raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"))
+    ).hexdigest()
+    return Event(
+        key=key, agent=agent, session_id=session_id, kind=kind, source="hook",
+        ts=time.time() if now is None else now, payload=payload,
+        cwd=str(payload["cwd"]) if payload.get("cwd") else None,
+        transcript_path=str(payload["transcript_path"]) if payload.get("transcript_path") else None,
+        tool_name=str(payload["tool_name"]) if payload.get("tool_name") else None,
+        tool_use_id=tool_use_id, dedup=dedup,
+    )
+
+
+_EVENT_SPEC: dict[str, type | tuple[type, ...]] = {
+    "agent": str, "session_id": str, "kind": str, "payload": dict, "ts": (int, float), "cwd": str, "key": str,
+    "project": str, "tool_name": str, "tool_use_id": str, "source": str, "transcript_path": str,
+}
+
+
+def parse_normalised(obj: Any, *, max_chars: int) -> Event:
+    """An event a script or the transcript tailer already shaped: validate its fields and types."""
+    if not isinstance(obj, dict):
+        raise BadRequest(f"an event must be a map, got {type(obj).__name__}")
+    for name, kind in _EVENT_SPEC.items():
+        if name in obj and obj[name] is not None and not isinstance(obj[name], kind):
+            raise BadRequest(f"event field '{name}' has the wrong type ({type(obj[name]).__name__})")
+    unknown = set(obj) - set(_EVENT_SPEC) - {"dedup"}
+    if unknown:
+        raise BadRequest(f"unknown event field(s): {', '.join(sorted(map(str, unknown)))}")
+    for name in ("session_id", "kind"):
+        if not obj.get(name):
+            raise BadRequest(f"event field '{name}' is required")
+    payload = redact_value(truncate_strings(obj.get("payload") or {}, max_chars))
+    assert isinstance(payload, dict)
+    agent = str(obj.get("agent") or "script")
+    body = json.dumps(payload, sort_keys=True, ensure_ascii=False)
+    key = obj.get("key") or "n:" + _short_hash(f"{agent}\0{obj['session_id']}\0{obj['kind']}\0{obj.get('ts')}\0{body}")
+    return Event(
+        key=str(key), agent=agent, session_id=str(obj["session_id"]), kind=str(obj["kind"]),
+        source=str(obj.get("source") or "script"), ts=float(obj.get("ts") or time.time()), payload=payload,
+        cwd=obj.get("cwd"), project=str(obj.get("project") or ""), transcript_path=obj.get("transcript_path"),
+        tool_name=obj.get("tool_name"), tool_use_id=obj.get("tool_use_id"), dedup=obj.get("dedup"),
+    )
+
+
+def event_text(event: Event) -> str:
+    """The human-meaningful text of an event, for token counts, capture and the observer."""
+    p = event.payload
+    parts: list[str] = []
+    for name in TEXT_FIELDS:
+        if isinstance(p.get(name), str):
+            parts.append(p[name])
+    if isinstance(p.get("text"), str):
+        parts.append(p["text"])
+    if event.tool_name:
+        parts.append(f"{event.tool_name}: {json.dumps(p.get('tool_input'), ensure_ascii=False)[:500]}")
+    response = p.get("tool_response")
+    if isinstance(response, str):
+        parts.append(response[:2000])
+    elif isinstance(response, dict):
+        for name in ("stdout", "stderr", "output", "error", "content"):
+            if isinstance(response.get(name), str):
+                parts.append(response[name][:2000])
+    return "\n".join(parts)
+
+
+# A processor runs inside the commit transaction with the freshly stored events (capture rules, triggers).
+Processor = Callable[[aiosqlite.Connection, Sequence[Event]], Awaitable[None]]
+# A listener runs after the commit, outside the transaction (wake workers, start tailers).
+Listener = Callable[[Sequence[Event]], None]
+
+
+@dataclass
+class Batch:
+    events: list[Event]
+    future: asyncio.Future[list[Event]]
+    also: Processor | None = None
+
+
+class EventWriter:
+    """Group commit: concurrent submitters share one transaction; each gets its ack only after COMMIT."""
+
+    def __init__(self, store: Store, *, max_pending: int = 256, max_batch: int = 512) -> None:
+        self.store = store
+        self.max_batch = max_batch
+        self._queue: asyncio.Queue[Batch] = asyncio.Queue(max_pending)
+        self._task: asyncio.Task[None] | None = None
+        self.processors: list[Processor] = []
+        self.listeners: list[Listener] = []
+        self.committed = 0
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="event-writer")
+
+    async def stop(self) -> None:
+        """Commit what was already accepted, then stop."""
+        if self._task and not self._task.done():
+            await self._queue.join()
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def submit(self, events: list[Event], also: Processor | None = None) -> list[Event]:
+        """Resolve projects, queue, and wait for the commit. A full queue answers Busy at once.
+
+        `also` runs inside the same transaction (a tailer's offset, a worker's watermark), so it commits
+        together with the events or not at all.
+        """
+        for event in events:
+            if not event.project:
+                event.project = await project_of(event.cwd)
+        future: asyncio.Future[list[Event]] = asyncio.get_running_loop().create_future()
+        try:
+            self._queue.put_nowait(Batch(events, future, also))
+        except asyncio.QueueFull:
+            raise Busy("the daemon is overloaded; spool the event and retry") from None
+        return await asyncio.shield(future)
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            size = len(batch[0].events)
+            while not self._queue.empty() and size < self.max_batch:
+                item = self._queue.get_nowait()
+                batch.append(item)
+                size += len(item.events)
+            try:
+                await self._commit(batch)
+            except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
+                log.error("event commit failed for %d events: %s", size, exc)
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                    self._queue.task_done()
+                continue
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_result(item.events)
+                self._queue.task_done()
+            for listener in self.listeners:
+                try:
+                    listener([e for item in batch for e in item.events])
+                except Exception:  # noqa: BLE001 - a listener must never stop ingest
+                    log.exception("event listener failed")
+
+    async def _commit(self, batch: list[Batch]) -> None:
+        now = time.time()
+        events = [e for item in batch for e in item.events]
+        async with self.store.atomic() as db:
+            stored: list[Event] = []
+            for event in events:
+                event.stored = False
+                if event.dedup:
+                    async with db.execute("SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
+                                          (event.session_id, event.dedup)) as cur:
+                        if await cur.fetchone():
+                            continue
+                payload = json.dumps(event.payload, ensure_ascii=False)
+                cur = await db.execute(
+                    "INSERT OR IGNORE INTO events (key, agent, session_id, project, kind, source, ts, received,"
+                    " tool_name, tool_use_id, dedup, tokens, payload) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (event.key, event.agent, event.session_id, event.project, event.kind, event.source, event.ts,
+                     now, event.tool_name, event.tool_use_id, event.dedup, event.tokens, payload),
+                )
+                if cur.rowcount == 1:
+                    event.id, event.stored = cur.lastrowid, True
+                    stored.append(event)
+                await db.execute(
+                    "INSERT INTO sessions (id, agent, project, cwd, transcript_path, started, last_seen, ended)"
+                    " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET"
+                    " last_seen = max(last_seen, excluded.last_seen),"
+                    " cwd = coalesce(sessions.cwd, excluded.cwd),"
+                    " transcript_path = coalesce(excluded.transcript_path, sessions.transcript_path),"
+                    " ended = CASE WHEN excluded.ended IS NOT NULL THEN excluded.ended ELSE sessions.ended END",
+                    (event.session_id, event.agent, event.project, event.cwd, event.transcript_path, event.ts,
+                     event.ts, event.ts if event.kind == "SessionEnd" else None),
+                )
+            for processor in self.processors:
+                await processor(db, stored)
+            for item in batch:
+                if item.also is not None:
+                    await item.also(db, item.events)
+        self.committed += len(stored)
+
+
+def redact_for_log(text: str) -> str:
+    """Log lines pass through the same redaction as stored text."""
+    return redact_text(text)[:500]

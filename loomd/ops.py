@@ -1,0 +1,195 @@
+"""The socket ops: one `handle_<op>` coroutine each, validating its arguments and returning plain data."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from . import __version__
+from .errors import BadRequest
+from .ingest import Event, parse_hook, parse_normalised
+from .memories import SCOPES, fetch_memories, insert_memory, set_archived
+from .project import project_of
+from .protocol import REQUIRED, take_args
+from .retrieval import search_memories
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+MAX_BATCH = 1000
+
+
+def _ids(value: Any) -> list[int]:
+    ids = value if isinstance(value, list) else [value]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise BadRequest("'id' must be an integer or a non-empty list of integers")
+    return ids
+
+
+class Ops:
+    """Binds every `handle_<op>` to the daemon's state."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Any]]]:
+        return {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
+
+    async def handle_ping(self, args: dict[str, Any]) -> dict[str, Any]:
+        take_args(args, {})
+        return {"pong": True, "version": __version__, "time": time.time()}
+
+    async def handle_status(self, args: dict[str, Any]) -> dict[str, Any]:
+        take_args(args, {})
+        d = self.d
+        db = d.config.paths.db
+        size = sum(p.stat().st_size for p in (db, db.with_name(db.name + "-wal")) if p.exists())
+        return {
+            "version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - d.started, 3),
+            "socket": str(d.socket_path), "db": str(db), "db_bytes": size,
+            "counts": await self._counts(), "spool_backlog": d.spool.backlog() if d.spool else 0,
+            "queue_depth": d.writer.depth, "inflight": len(d.server.inflight) if d.server else 0,
+            "embedder": d.embedder_status(), "versions": await d.store.versions(),
+        }
+
+    async def _counts(self) -> dict[str, int]:
+        row = await self.d.store.fetchone(
+            "SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM sessions),"
+            " (SELECT count(*) FROM memories WHERE archived_at IS NULL),"
+            " (SELECT count(*) FROM memories WHERE archived_at IS NOT NULL)"
+        )
+        assert row is not None
+        return {"events": row[0], "sessions": row[1], "memories": row[2], "archived": row[3]}
+
+    async def handle_stats(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {"project": (str, None)})
+        where, params = ("WHERE project = ?", [a["project"]]) if a["project"] else ("", [])
+        kinds = await self.d.store.fetchall(
+            f"SELECT kind, sum(archived_at IS NULL), sum(archived_at IS NOT NULL) FROM memories {where}"
+            " GROUP BY kind ORDER BY kind", params)
+        events = await self.d.store.fetchall(
+            f"SELECT agent, kind, count(*) FROM events {where} GROUP BY agent, kind ORDER BY agent, kind", params)
+        return {
+            "counts": await self._counts(),
+            "memories": {r[0]: {"active": r[1], "archived": r[2]} for r in kinds},
+            "events": [{"agent": r[0], "kind": r[1], "count": r[2]} for r in events],
+        }
+
+    async def handle_config(self, args: dict[str, Any]) -> dict[str, Any]:
+        take_args(args, {})
+        return self.d.config.public()
+
+    async def handle_hook(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A raw hook event from the shim: store it durably, then answer with what to print (maybe nothing)."""
+        a = take_args(args, {
+            "agent": (str, "auto"), "event": (str, ""), "raw": ((bytes, str), REQUIRED), "eid": (str, None),
+            "context": (bool, False), "deadline_ms": (int, None), "sent_at": (int, None),
+        })
+        event = parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=self.d.config.max_tool_output_chars)
+        await self.d.writer.submit([event])
+        stdout = ""
+        if a["context"]:
+            stdout = await self.d.hook_context(event, a["deadline_ms"] or self.d.config.context_deadline_ms)
+        return {"stored": int(event.stored), "stdout": stdout}
+
+    async def handle_ingest(self, args: dict[str, Any]) -> dict[str, Any]:
+        """One event or a batch: raw hook bytes plus agent and event name, or already-normalised events."""
+        a = take_args(args, {
+            "raw": ((bytes, str), None), "agent": (str, "auto"), "event": (str, ""), "eid": (str, None),
+            "events": (list, None), "item": (dict, None),
+        })
+        limit = self.d.config.max_tool_output_chars
+        events: list[Event] = []
+        if a["raw"] is not None:
+            events.append(parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=limit))
+        if a["item"] is not None:
+            events.append(parse_normalised(a["item"], max_chars=limit))
+        for item in a["events"] or []:
+            events.append(parse_normalised(item, max_chars=limit))
+        if not events:
+            raise BadRequest("ingest needs 'raw' (hook bytes), 'item' (one event) or 'events' (a list)")
+        if len(events) > MAX_BATCH:
+            raise BadRequest(f"a batch holds at most {MAX_BATCH} events, got {len(events)}")
+        await self.d.writer.submit(events)
+        return {"accepted": len(events), "stored": sum(e.stored for e in events),
+                "ids": [e.id for e in events]}
+
+    async def handle_store(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {
+            "text": (str, REQUIRED), "kind": (str, "fact"), "scope": (str, "project"), "tags": (list, []),
+            "importance": (float, 0.7), "expires": (float, None), "ttl_days": (float, None), "cwd": (str, None),
+            "project": (str, None), "session_id": (str, None),
+        })
+        if a["scope"] not in SCOPES:
+            raise BadRequest(f"unknown scope '{a['scope']}'; one of: {', '.join(SCOPES)}")
+        if not all(isinstance(t, str) for t in a["tags"]):
+            raise BadRequest("'tags' must be a list of strings")
+        if not 0.0 <= a["importance"] <= 1.0:
+            raise BadRequest("'importance' must be between 0 and 1")
+        project = a["project"] or ("user" if a["scope"] == "user" else await project_of(a["cwd"]))
+        expires = a["expires"] or (time.time() + a["ttl_days"] * 86400 if a["ttl_days"] else None)
+        async with self.d.store.atomic() as db:
+            memory_id, is_new = await insert_memory(
+                db, kind=a["kind"], text=a["text"], project=project, scope=a["scope"], tags=a["tags"],
+                importance=a["importance"], expires=expires, session_id=a["session_id"], origin="store",
+            )
+            await self.d.after_memory_write(db, [memory_id])
+        self.d.memories_changed()
+        return {"id": memory_id, "created": is_new, "project": project}
+
+    async def handle_search(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {
+            "query": (str, REQUIRED), "limit": (int, 10), "mode": (str, "hybrid"), "project": (str, None),
+            "cwd": (str, None), "scope": (str, None), "kind": ((str, list), None), "since": (float, None),
+            "until": (float, None), "session_id": (str, None), "include_archived": (bool, False),
+            "explain": (bool, False),
+        })
+        if not 1 <= a["limit"] <= 200:
+            raise BadRequest("'limit' must be between 1 and 200")
+        if a["project"] is None and a["cwd"]:
+            a["project"] = await project_of(a["cwd"])
+        a.pop("cwd")
+        results = await search_memories(self.d.retrieval_context(), **a)
+        return {"results": results, "count": len(results)}
+
+    async def handle_detail(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {"id": ((int, list), REQUIRED), "sources": (bool, True)})
+        ids = _ids(a["id"])
+        items = await fetch_memories(self.d.store, ids)
+        if a["sources"]:
+            for item in items:
+                rows = await self.d.store.fetchall(
+                    "SELECT e.id, e.kind, e.session_id, e.ts FROM memory_sources s JOIN events e ON e.id = s.event_id"
+                    " WHERE s.memory_id = ? ORDER BY e.id LIMIT 50", (item["id"],))
+                item["sources"] = [{"event_id": r[0], "kind": r[1], "session_id": r[2], "ts": r[3]} for r in rows]
+        return {"memories": items}
+
+    async def handle_forget(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {"id": ((int, list), REQUIRED), "reason": (str, "forget")})
+        async with self.d.store.atomic() as db:
+            changed = await set_archived(db, _ids(a["id"]), True, a["reason"])
+        self.d.memories_changed()
+        return {"archived": changed}
+
+    async def handle_restore(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {"id": ((int, list), REQUIRED)})
+        async with self.d.store.atomic() as db:
+            changed = await set_archived(db, _ids(a["id"]), False)
+        self.d.memories_changed()
+        return {"restored": changed}
+
+    async def handle_events(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {"limit": (int, 20), "session_id": (str, None), "after_id": (int, 0)})
+        where, params = "WHERE id > ?", [a["after_id"]]
+        if a["session_id"]:
+            where += " AND session_id = ?"
+            params.append(a["session_id"])
+        rows = await self.d.store.fetchall(
+            f"SELECT id, agent, session_id, project, kind, source, ts, tool_name, payload FROM events {where}"
+            " ORDER BY id DESC LIMIT ?", [*params, max(1, min(a["limit"], 500))])
+        return {"events": [
+            {"id": r[0], "agent": r[1], "session_id": r[2], "project": r[3], "kind": r[4], "source": r[5],
+             "ts": r[6], "tool_name": r[7], "payload": r[8][:2000]} for r in reversed(rows)
+        ]}

@@ -1,0 +1,119 @@
+"""Wire format: pure framing and message shapes, no sockets.
+
+A frame is a 4-byte big-endian length followed by one msgpack map.
+Request: ``{"v": 1, "id": N, "op": "name", "args": {...}}``.
+Reply:   ``{"v": 1, "id": N, "ok": true, "result": ...}`` or
+         ``{"v": 1, "id": N, "ok": false, "error": {"code": "...", "message": "..."}}``.
+Several requests may be in flight on one connection; replies carry the request id.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import BadRequest, BadVersion, FrameTooLarge
+
+VERSION = 1
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 8 * 1024 * 1024
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int | str | None
+    op: str
+    args: dict[str, Any]
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+def check_length(length: int, limit: int) -> None:
+    if length > limit:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {limit} bytes")
+
+
+def decode_body(body: bytes) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise BadRequest(f"frame body is not valid msgpack: {exc}") from exc
+
+
+def request_id(message: Any) -> int | str | None:
+    """The id to echo in an error reply, when one can be read at all."""
+    if isinstance(message, dict):
+        rid = message.get("id")
+        if isinstance(rid, int | str):
+            return rid
+    return None
+
+
+def parse_request(message: Any) -> Request:
+    if not isinstance(message, dict):
+        raise BadRequest(f"a request must be a msgpack map, got {type(message).__name__}")
+    version = message.get("v", VERSION)
+    if version != VERSION:
+        raise BadVersion(f"protocol version {version!r} is not supported; this daemon speaks v{VERSION}")
+    rid = message.get("id")
+    if rid is not None and not isinstance(rid, int | str):
+        raise BadRequest("field 'id' must be an integer or a string")
+    op = message.get("op")
+    if not isinstance(op, str) or not op:
+        raise BadRequest("field 'op' is missing or not a string")
+    args = message.get("args", {})
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise BadRequest(f"field 'args' must be a map, got {type(args).__name__}")
+    return Request(rid, op, args)
+
+
+def ok_reply(rid: int | str | None, result: Any) -> dict[str, Any]:
+    return {"v": VERSION, "id": rid, "ok": True, "result": result}
+
+
+def error_reply(rid: int | str | None, code: str, message: str) -> dict[str, Any]:
+    return {"v": VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}}
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list",
+               dict: "a map", bytes: "bytes"}
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+
+
+def take_args(args: dict[str, Any], spec: dict[str, tuple[type | tuple[type, ...], Any]]) -> dict[str, Any]:
+    """Validate `args` against `spec` (name -> (type, default or REQUIRED)); unknown names are errors."""
+    unknown = sorted(set(args) - set(spec))
+    if unknown:
+        raise BadRequest(f"unknown argument(s): {', '.join(map(str, unknown))}; expected: {', '.join(sorted(spec))}")
+    out: dict[str, Any] = {}
+    for name, (kind, default) in spec.items():
+        if name not in args or args[name] is None:
+            if default is REQUIRED:
+                raise BadRequest(f"argument '{name}' is required ({_type_name(kind)})")
+            out[name] = default
+            continue
+        value = args[name]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # bool is an int subclass; never let True pass as a count, but let ints pass as floats.
+        if isinstance(value, bool) and bool not in kinds:
+            raise BadRequest(f"argument '{name}' must be {_type_name(kind)}, got a boolean")
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kinds):
+            raise BadRequest(f"argument '{name}' must be {_type_name(kind)}, got {type(value).__name__}")
+        out[name] = value
+    return out

