@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .capture import Capturer
 from .config import Config, load_config
 from .errors import LoomdError
 from .ingest import Event, EventWriter
 from .ops import Ops
-from .retrieval import SearchContext
+from .planner import Planner
+from .retrieval import SearchContext, search_memories
 from .server import Server
 from .spool import Spool
 from .store import Store
@@ -120,6 +122,9 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         self.writer = EventWriter(self.store, max_pending=self.config.max_inflight)
         self.writer.start()
+        self.capturer = Capturer(self.config.capture_rate_per_session, self.after_memory_write)
+        self.writer.processors.append(self.capturer)
+        self.planner = Planner(self.store, lambda: self.config, self.search)
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
         self.spool = Spool(paths.spool, self._ingest_spooled)
@@ -219,8 +224,11 @@ class Daemon:
         await self.ops.handle_ingest(args)
 
     async def hook_context(self, event: Event, deadline_ms: int) -> str:
-        """What a SessionStart / UserPromptSubmit hook should print; empty until the planner has something."""
-        return ""
+        """What a SessionStart / UserPromptSubmit hook should print: the planner's block, or nothing."""
+        return await self.planner.for_hook(event, deadline_ms)
+
+    async def search(self, **kwargs: Any) -> list[dict[str, Any]]:
+        return await search_memories(self.retrieval_context(), **kwargs)
 
     def retrieval_context(self) -> SearchContext:
         return SearchContext(self.store)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .errors import BadRequest
+from . import __version__, tasks
+from .errors import BadRequest, Busy
 from .ingest import Event, parse_hook, parse_normalised
 from .memories import SCOPES, fetch_memories, insert_memory, set_archived
 from .project import project_of
@@ -193,3 +195,84 @@ class Ops:
             {"id": r[0], "agent": r[1], "session_id": r[2], "project": r[3], "kind": r[4], "source": r[5],
              "ts": r[6], "tool_name": r[7], "payload": r[8][:2000]} for r in reversed(rows)
         ]}
+
+    async def handle_context(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The block a hook would inject: `start` (frozen per session), `compact`, or `prompt` recall."""
+        a = take_args(args, {
+            "kind": (str, "start"), "session_id": (str, None), "cwd": (str, None), "project": (str, None),
+            "prompt": (str, None), "agent": (str, "claude"), "deadline_ms": (int, 2000),
+        })
+        project = a["project"] or await project_of(a["cwd"])
+        planner = self.d.planner
+        if a["kind"] == "start" and a["session_id"] is None:
+            from .context import project_label, render_start_block, start_lines
+
+            lines, counts = await start_lines(self.d.store, project)
+            text, ids = render_start_block(project_label(project), lines, counts,
+                                           self.d.config.start_block_budget(a["agent"]))
+            return {"text": text, "ids": ids, "project": project}
+        if a["session_id"] is None:
+            raise BadRequest(f"context kind '{a['kind']}' needs a session_id")
+        await self._ensure_session(a["session_id"], a["agent"], project, a["cwd"])
+        if a["kind"] == "start":
+            coro = planner.start(a["session_id"], project, a["agent"])
+        elif a["kind"] == "compact":
+            coro = planner.compact(a["session_id"], project)
+        elif a["kind"] == "prompt":
+            if not a["prompt"]:
+                raise BadRequest("context kind 'prompt' needs a prompt")
+            coro = planner.recall(a["session_id"], project, a["prompt"])
+        else:
+            raise BadRequest(f"unknown context kind '{a['kind']}'; one of: start, compact, prompt")
+        try:
+            text, ids = await asyncio.wait_for(coro, a["deadline_ms"] / 1000)
+        except TimeoutError:
+            raise Busy(f"context did not fit its {a['deadline_ms']} ms deadline") from None
+        return {"text": text, "ids": ids, "project": project}
+
+    async def _ensure_session(self, session_id: str, agent: str, project: str, cwd: str | None) -> None:
+        async with self.d.store.atomic() as db:
+            now = time.time()
+            await db.execute(
+                "INSERT INTO sessions (id, agent, project, cwd, started, last_seen) VALUES (?,?,?,?,?,?)"
+                " ON CONFLICT(id) DO NOTHING", (session_id, agent, project, cwd, now, now))
+
+    async def handle_task_create(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {"title": (str, REQUIRED), "cwd": (str, None), "project": (str, None),
+                             "session_id": (str, None), "state": (str, "active")})
+        project = a["project"] or await project_of(a["cwd"])
+        async with self.d.store.atomic() as db:
+            task_id = await tasks.create(db, title=a["title"], project=project, session_id=a["session_id"],
+                                         state=a["state"])
+            await self.d.after_memory_write(db, [task_id])
+            row, meta = await tasks.load(db, task_id)
+            view = tasks.view(row, meta)
+        self.d.memories_changed()
+        return view
+
+    async def handle_task_update(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {"id": (int, REQUIRED), "state": (str, None), "evidence": (dict, None),
+                             "note": (str, None)})
+        async with self.d.store.atomic() as db:
+            return await tasks.update(db, a["id"], state=a["state"], evidence=a["evidence"], note=a["note"])
+
+    async def handle_task_close(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Close (make stable) only with an artifact, a passing evaluation and a memory reference."""
+        a = take_args(args, {"id": (int, REQUIRED), "evidence": (dict, None)})
+        async with self.d.store.atomic() as db:
+            if a["evidence"]:
+                await tasks.update(db, a["id"], evidence=a["evidence"])
+            return await tasks.close(db, a["id"])
+
+    async def handle_task_list(self, args: dict[str, Any]) -> dict[str, Any]:
+        a = take_args(args, {"cwd": (str, None), "project": (str, None), "state": (str, None),
+                             "all_projects": (bool, False)})
+        where, params = "kind = 'task' AND archived_at IS NULL", []
+        if not a["all_projects"]:
+            where += " AND project = ?"
+            params.append(a["project"] or await project_of(a["cwd"]))
+        rows = await self.d.store.fetchall(f"SELECT * FROM memories WHERE {where} ORDER BY id", params)
+        views = [tasks.view(r, json.loads(r["meta"] or "{}") or tasks.new_meta()) for r in rows]
+        if a["state"]:
+            views = [v for v in views if v["state"] == a["state"]]
+        return {"tasks": views}

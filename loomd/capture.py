@@ -1,0 +1,355 @@
+"""Zero-LLM auto-capture: the rules that turn a committed event into a memory, on the ingest path.
+
+Every rule is one row of RULES (name, memory kind, importance, what fires it). They run inside the ingest
+transaction, so a captured memory commits with its source event or not at all. Plumbing never fires.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiosqlite
+
+from .ingest import Event
+from .memories import insert_memory
+
+MAX_TEXT = 200
+
+
+@dataclass
+class ToolRun:
+    """A finished tool call, whichever source (hook or transcript) delivered it."""
+
+    tool: str
+    command: str  # shell command, or "" for non-shell tools
+    path: str  # file path for edit tools
+    output: str
+    failed: bool
+
+
+@dataclass
+class SessionMemory:
+    """What the rules remember within a session: failing commands, to spot the fix and repeats."""
+
+    failures: dict[str, str] = field(default_factory=dict)  # command key -> first error line
+    error_counts: dict[str, int] = field(default_factory=dict)  # normalised error -> times seen
+
+
+@dataclass(frozen=True)
+class Capture:
+    rule: str
+    kind: str
+    text: str
+    importance: float
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    kind: str
+    importance: float
+    doc: str
+    fires: Callable[[ToolRun | None, str | None, SessionMemory], str | None]
+
+
+# --- parsing helpers (pure) -------------------------------------------------------------------------------------
+
+SHELL_TOOLS = {"Bash", "bash", "shell", "exec_command", "local_shell", "container.exec"}
+EDIT_TOOLS = {"Edit", "Write", "MultiEdit", "NotebookEdit", "apply_patch", "edit_file", "write_file"}
+PLUMBING = re.compile(
+    r"^\s*(git\s+(push|pull|fetch|stash|status|diff|log|show|add|checkout\s+(?!-b)\S+$|restore|remote|config)\b"
+    r"|git\s+commit\b(?!.*\s(-\w*m|--message)\b)"
+    r"|ls\b|ll\b|cd\b|pwd\b|cat\b|head\b|tail\b|less\b|echo\b|which\b|find\b|rg\b|grep\b|sed\s+-n\b|wc\b|tree\b"
+    r"|clear\b|history\b|whoami\b|env\b|printenv\b|true\b|date\b)"
+)
+TEST_COMMAND = re.compile(
+    r"\b(pytest|py\.test|tox|nox|unittest|npm\s+(run\s+)?test|yarn\s+test|pnpm\s+(run\s+)?test|jest|vitest|mocha"
+    r"|cargo\s+(test|nextest)|go\s+test|mvn\s+(test|verify)|gradle\w*\s+test|make\s+(test|check)|ctest|rspec"
+    r"|phpunit|dotnet\s+test|bun\s+test|deno\s+test)\b"
+)
+SIGNIFICANT_FILE = re.compile(
+    r"(^|/)(pyproject\.toml|setup\.(py|cfg)|requirements[^/]*\.txt|package\.json|tsconfig[^/]*\.json|Cargo\.toml"
+    r"|go\.mod|Gemfile|Dockerfile[^/]*|docker-compose[^/]*|compose\.ya?ml|Makefile|CMakeLists\.txt|justfile"
+    r"|\.env\.example|README[^/]*|CHANGELOG[^/]*|CONTRIBUTING[^/]*|AGENTS\.md|CLAUDE\.md|[^/]+\.(toml|ini|cfg|ya?ml)"
+    r"|\.github/workflows/[^/]+|\.gitlab-ci\.yml|\.circleci/[^/]+|[^/]*migrations?/[^/]+|[^/]+\.sql"
+    r"|docs?/[^/]+\.(md|rst|txt))$",
+    re.IGNORECASE,
+)
+USER_RULE = re.compile(
+    r"\b(always|never|don'?t|do not|must|must not|should(?:n't| not)?|prefer|from now on|make sure|avoid|"
+    r"stop using|instead of|we use|use only|only use|remember (that|to))\b",
+    re.IGNORECASE,
+)
+ERROR_LINE = re.compile(r"(error|exception|traceback|failed|failure|fatal|cannot|could not|not found|denied|"
+                        r"panic|segmentation fault|assert)", re.IGNORECASE)
+EXIT_CODE = re.compile(r'(?:"exit_code"\s*:\s*|Exit code:?\s*|exit (?:status|code) )(-?\d+)', re.IGNORECASE)
+TEST_PASS = re.compile(r"\b(\d+ passed|all tests passed|tests? passed|ok \(\d+|PASS\b|test result: ok|0 failed)",
+                       re.IGNORECASE)
+
+
+def clip(text: str, limit: int = MAX_TEXT) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def shell_command(tool_input: Any) -> str:
+    """The command line of a shell tool call, from Claude (`command`) or Codex (`cmd`, or argv lists)."""
+    if not isinstance(tool_input, dict):
+        return ""
+    cmd = tool_input.get("command", tool_input.get("cmd", ""))
+    if isinstance(cmd, list):
+        parts = [str(p) for p in cmd]
+        # Codex wraps commands as ["bash", "-lc", "<script>"].
+        if len(parts) >= 3 and parts[0].endswith("sh") and parts[1] in ("-lc", "-c"):
+            return parts[2]
+        return " ".join(shlex.quote(p) for p in parts)
+    return str(cmd)
+
+
+def command_key(command: str) -> str:
+    """Commands that are 'the same command' for fix detection: the first two words, flags dropped."""
+    words = [w for w in command.strip().split() if not w.startswith("-")][:3]
+    return " ".join(words)
+
+
+def first_error_line(output: str) -> str:
+    for line in output.splitlines():
+        line = line.strip()
+        if line and ERROR_LINE.search(line) and not line.startswith("at "):
+            return clip(line, 140)
+    for line in output.splitlines():
+        if line.strip():
+            return clip(line.strip(), 140)
+    return ""
+
+
+def normalise_error(line: str) -> str:
+    """Numbers, paths and quotes vary between repeats of one error; strip them."""
+    line = re.sub(r"(/[\w.\-]+)+", "<path>", line)
+    line = re.sub(r"\b0x[0-9a-f]+\b|\b\d+\b", "<n>", line)
+    return re.sub(r"['\"`].*?['\"`]", "<s>", line).lower()
+
+
+def output_failed(output: str, flagged: bool) -> bool:
+    if flagged:
+        return True
+    match = EXIT_CODE.search(output[:4000])
+    return bool(match and match.group(1) != "0")
+
+
+def commit_subject(command: str) -> str | None:
+    if not re.search(r"\bgit\b(\s+-\S+(\s+\S+)?)*\s+commit\b", command):
+        return None
+    match = re.search(r"""(?:\s-[a-zA-Z]*m|--message)(?:=|\s+)(?:"((?:[^"\\]|\\.)*)"|'([^']*)'|(\S+))""", command)
+    if match:
+        subject = next(g for g in match.groups() if g is not None)
+    else:
+        heredoc = re.search(r"<<'?(\w+)'?\s*\n(.*?)\n\1", command, re.DOTALL)
+        subject = heredoc.group(2) if heredoc else ""
+    subject = subject.replace("\\n", "\n").strip().splitlines()[0].strip() if subject.strip() else ""
+    if subject.startswith("$(cat"):
+        heredoc = re.search(r"<<'?(\w+)'?\s*\n(.*?)\n\s*\1", command, re.DOTALL)
+        subject = heredoc.group(2).strip().splitlines()[0] if heredoc else ""
+    return subject or None
+
+
+# --- the rules --------------------------------------------------------------------------------------------------
+
+def _git_commit(run: ToolRun | None, _prompt: str | None, _s: SessionMemory) -> str | None:
+    if run is None or run.failed or not run.command:
+        return None
+    subject = commit_subject(run.command)
+    return f"Committed: {clip(subject, 180)}" if subject else None
+
+
+def _git_history(run: ToolRun | None, _prompt: str | None, _s: SessionMemory) -> str | None:
+    if run is None or run.failed or not run.command:
+        return None
+    c = run.command
+    for pattern, label in (
+        (r"\bgit\s+merge\s+(?!--abort)([\w./\-]+)", "Merged {}"),
+        (r"\bgit\s+rebase\s+(?!--(?:abort|continue|skip))(?:-i\s+)?([\w./\-~^]+)", "Rebased onto {}"),
+        (r"\bgit\s+tag\s+(?:-a\s+)?(?!-)([\w./\-]+)", "Tagged {}"),
+        (r"\bgit\s+(?:checkout\s+-b|switch\s+-c|branch)\s+(?!-)([\w./\-]+)", "New branch {}"),
+        (r"\bgit\s+worktree\s+add\s+(\S+)", "New worktree {}"),
+    ):
+        match = re.search(pattern, c)
+        if match:
+            return label.format(match.group(1))
+    return None
+
+
+def _significant_edit(run: ToolRun | None, _prompt: str | None, _s: SessionMemory) -> str | None:
+    if run is None or run.failed or run.tool not in EDIT_TOOLS or not run.path:
+        return None
+    return f"Edited {run.path}" if SIGNIFICANT_FILE.search(run.path) else None
+
+
+def _repeated_failure(run: ToolRun | None, _prompt: str | None, s: SessionMemory) -> str | None:
+    if run is None or not run.failed or not run.command or PLUMBING.match(run.command):
+        return None
+    line = first_error_line(run.output)
+    if not line:
+        return None
+    norm = normalise_error(line)
+    s.error_counts[norm] = s.error_counts.get(norm, 0) + 1
+    if s.error_counts[norm] != 2:  # the second time is a pattern; later repeats bump the same memory
+        return None
+    return f"Fails repeatedly: `{clip(run.command, 80)}` → {line}"
+
+
+def _fixed_after_failure(run: ToolRun | None, _prompt: str | None, s: SessionMemory) -> str | None:
+    if run is None or not run.command or PLUMBING.match(run.command):
+        return None
+    key = command_key(run.command)
+    if run.failed:
+        s.failures.setdefault(key, first_error_line(run.output))
+        return None
+    error = s.failures.pop(key, None)
+    if error is None or TEST_COMMAND.search(run.command):
+        return None  # test commands have their own rule
+    return f"Works: `{clip(run.command, 120)}` (after failing with: {clip(error, 60)})"
+
+
+def _tests_green(run: ToolRun | None, _prompt: str | None, s: SessionMemory) -> str | None:
+    if run is None or not run.command or not TEST_COMMAND.search(run.command):
+        return None
+    key = "test:" + command_key(run.command)
+    if run.failed:
+        s.failures.setdefault(key, first_error_line(run.output))
+        return None
+    error = s.failures.pop(key, None)
+    if error is None:
+        return None
+    passed = TEST_PASS.search(run.output)
+    suffix = f" ({passed.group(0)})" if passed else ""
+    return f"Tests green again: `{clip(run.command, 100)}`{suffix}; was failing: {clip(error, 60)}"
+
+
+def _user_rule(_run: ToolRun | None, prompt: str | None, _s: SessionMemory) -> str | None:
+    if not prompt or prompt.lstrip().startswith(("<", "/", "Caveat:")):
+        return None  # command echoes and slash commands are not the user's words
+    for sentence in re.split(r"(?<=[.!?])\s+|\n+", prompt):
+        sentence = sentence.strip()
+        if 12 <= len(sentence) <= 300 and USER_RULE.search(sentence) and not sentence.endswith("?"):
+            return clip(sentence)
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("git_commit", "decision", 0.7, "`git commit -m` with a subject → [D] the subject", _git_commit),
+    Rule("git_history", "fact", 0.5, "merge / rebase / tag / new branch / worktree → [F]", _git_history),
+    Rule("significant_edit", "fact", 0.4, "edit of a config, build, CI, docs or migration file → [F]",
+         _significant_edit),
+    Rule("repeated_failure", "error", 0.6, "the same error (normalised) a second time in a session → [E]",
+         _repeated_failure),
+    Rule("fixed_after_failure", "procedure", 0.7, "a command that succeeds after it failed → [P]",
+         _fixed_after_failure),
+    Rule("tests_green", "procedure", 0.7, "a test command passing after it failed → [P]", _tests_green),
+    Rule("user_rule", "constraint", 0.9, "a user sentence with always/never/must/prefer/from now on… → [C]",
+         _user_rule),
+)
+
+
+def evaluate(run: ToolRun | None, prompt: str | None, state: SessionMemory) -> list[Capture]:
+    """Every rule's verdict on one event (pure apart from the session state it updates)."""
+    out = []
+    for rule in RULES:
+        text = rule.fires(run, prompt, state)
+        if text:
+            kind = "preference" if rule.name == "user_rule" and re.search(r"\bprefer", text, re.I) else rule.kind
+            out.append(Capture(rule.name, kind, text, rule.importance))
+    return out
+
+
+# --- wiring into ingest -------------------------------------------------------------------------------------------
+
+def _response_text(response: Any) -> tuple[str, bool]:
+    if isinstance(response, str):
+        return response, False
+    if isinstance(response, dict):
+        parts = [str(response.get(k)) for k in ("stdout", "stderr", "output", "error", "content", "message")
+                 if isinstance(response.get(k), str) and response.get(k)]
+        flagged = bool(response.get("is_error") or response.get("isError") or response.get("interrupted")
+                       or (isinstance(response.get("exit_code"), int) and response["exit_code"] != 0)
+                       or response.get("success") is False)
+        return "\n".join(parts), flagged
+    return json.dumps(response)[:4000] if response is not None else "", False
+
+
+async def tool_run(db: aiosqlite.Connection, event: Event) -> ToolRun | None:
+    """A finished tool call from a PostToolUse hook or a transcript tool_result (its input looked up)."""
+    p = event.payload
+    if event.kind in ("PostToolUse", "PostToolUseFailure"):
+        tool, tool_input = str(p.get("tool_name") or ""), p.get("tool_input")
+        output, flagged = _response_text(p.get("tool_response") or p.get("error"))
+        flagged = flagged or event.kind == "PostToolUseFailure"
+    elif event.kind == "tool_result" and event.tool_use_id:
+        async with db.execute("SELECT payload, tool_name FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
+                              (event.session_id, f"tu:{event.tool_use_id}")) as cur:
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        use = json.loads(row[0])
+        tool, tool_input = str(row[1] or use.get("tool_name") or ""), use.get("tool_input")
+        output, flagged = str(p.get("text") or ""), bool(p.get("is_error"))
+    else:
+        return None
+    command = shell_command(tool_input) if tool in SHELL_TOOLS or "command" in (tool_input or {}) else ""
+    path = ""
+    if isinstance(tool_input, dict):
+        path = str(tool_input.get("file_path") or tool_input.get("path") or tool_input.get("notebook_path") or "")
+        if tool == "apply_patch" and not path:
+            match = re.search(r"\*\*\* (?:Update|Add) File: (\S+)", str(tool_input.get("input", "")))
+            path = match.group(1) if match else ""
+    return ToolRun(tool, command, path, output, output_failed(output, flagged))
+
+
+def prompt_text(event: Event) -> str | None:
+    if event.kind == "UserPromptSubmit" and isinstance(event.payload.get("prompt"), str):
+        return event.payload["prompt"]
+    if event.kind == "user_message" and isinstance(event.payload.get("text"), str):
+        return event.payload["text"]
+    return None
+
+
+class Capturer:
+    """The ingest processor: applies RULES to each stored event, within a per-session rate limit."""
+
+    def __init__(self, rate_per_session: int,
+                 after_write: Callable[[aiosqlite.Connection, list[int]], Awaitable[None]] | None = None) -> None:
+        self.rate = rate_per_session
+        self.after_write = after_write
+        self.sessions: dict[str, SessionMemory] = {}
+        self.fired: dict[str, int] = {}
+
+    async def __call__(self, db: aiosqlite.Connection, events: Sequence[Event]) -> None:
+        for event in events:
+            run = await tool_run(db, event)
+            prompt = prompt_text(event)
+            if run is None and prompt is None:
+                continue
+            state = self.sessions.setdefault(event.session_id, SessionMemory())
+            for capture in evaluate(run, prompt, state):
+                await self._store(db, event, capture)
+
+    async def _store(self, db: aiosqlite.Connection, event: Event, capture: Capture) -> None:
+        async with db.execute("SELECT captures FROM sessions WHERE id = ?", (event.session_id,)) as cur:
+            row = await cur.fetchone()
+        if row is not None and row[0] >= self.rate:
+            return
+        memory_id, is_new = await insert_memory(
+            db, kind=capture.kind, text=capture.text, project=event.project, session_id=event.session_id,
+            agent=event.agent, importance=capture.importance, created=event.ts, origin=f"capture:{capture.rule}",
+            sources=[event.id] if event.id else [],
+        )
+        if is_new:
+            await db.execute("UPDATE sessions SET captures = captures + 1 WHERE id = ?", (event.session_id,))
+            if self.after_write is not None:
+                await self.after_write(db, [memory_id])
+            self.fired[capture.rule] = self.fired.get(capture.rule, 0) + 1

@@ -1,0 +1,128 @@
+"""Auto-capture rules, each fired by a real payload shape sent through a real daemon, and plumbing never."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import pytest
+
+from loomd.capture import RULES, commit_subject, shell_command
+from loomd.client import AsyncClient
+
+_ids = itertools.count(1)
+
+
+def claude_post(command: str, stdout: str = "", stderr: str = "", *, session: str = "cap", failed: bool = False,
+                tool: str = "Bash", tool_input: dict[str, Any] | None = None) -> bytes:
+    """The shape Claude Code 2.1 sends for PostToolUse (tool_response is an object)."""
+    n = next(_ids)
+    body: dict[str, Any] = {
+        "session_id": session, "transcript_path": f"/tmp/{session}.jsonl", "cwd": "/tmp/capproj",
+        "permission_mode": "default", "hook_event_name": "PostToolUseFailure" if failed else "PostToolUse",
+        "tool_name": tool, "tool_input": tool_input or {"command": command, "description": "run"},
+        "tool_use_id": f"toolu_{n:04d}", "duration_ms": 40,
+    }
+    if failed:
+        body["error"] = f"Exit code 1\n{stderr or stdout}"
+    else:
+        body["tool_response"] = {"stdout": stdout, "stderr": stderr, "interrupted": False, "isImage": False}
+    return json.dumps(body).encode()
+
+
+def codex_post(command: str, output: str, exit_code: int, *, session: str = "capx") -> bytes:
+    """The shape Codex 0.171 sends: tool_response is a string, and the session has a turn_id."""
+    n = next(_ids)
+    return json.dumps({
+        "session_id": session, "turn_id": f"turn{n}",
+        "transcript_path": f"/tmp/.codex/sessions/rollout-{session}.jsonl",
+        "cwd": "/tmp/capproj", "hook_event_name": "PostToolUse", "model": "gpt-5.1-codex",
+        "permission_mode": "bypassPermissions", "tool_name": "Bash", "tool_input": {"command": command},
+        "tool_response": f"Exit code: {exit_code}\nWall time: 0.2 seconds\nOutput:\n{output}",
+        "tool_use_id": f"call_{n}",
+    }).encode()
+
+
+def prompt(text: str, session: str = "cap") -> bytes:
+    return json.dumps({"session_id": session, "transcript_path": f"/tmp/{session}.jsonl", "cwd": "/tmp/capproj",
+                       "hook_event_name": "UserPromptSubmit", "prompt": text}).encode()
+
+
+async def send(client: AsyncClient, raw: bytes) -> None:
+    event = json.loads(raw)["hook_event_name"]
+    await client.call("hook", raw=raw, event=event, eid=f"cap-{next(_ids)}")
+
+
+async def captured(client: AsyncClient) -> list[dict[str, Any]]:
+    """Every memory, via `detail` (ids are dense from 1)."""
+    total = (await client.call("status"))["counts"]
+    count = total["memories"] + total["archived"]
+    if not count:
+        return []
+    return (await client.call("detail", id=list(range(1, count + 1)), sources=True))["memories"]
+
+
+async def test_every_rule_fires_on_its_payload(client: AsyncClient) -> None:
+    await send(client, claude_post('git commit -m "Switch the cache to Redis streams"', "[main 1a2b3c4] Switch"))
+    await send(client, claude_post("git checkout -b feature/retry-queue", "Switched to a new branch"))
+    await send(client, claude_post("", tool="Edit", tool_input={"file_path": "/tmp/capproj/pyproject.toml",
+                                                                "old_string": "a", "new_string": "b"}))
+    await send(client, claude_post("npm run build", stderr="Error: Cannot find module 'vite'", failed=True))
+    await send(client, claude_post("npm run build", stderr="Error: Cannot find module 'vite'", failed=True))
+    await send(client, claude_post("npm run build", "built in 2.1s"))
+    await send(client, codex_post("pytest tests/test_api.py", "FAILED tests/test_api.py::test_login - assert 401", 1))
+    await send(client, codex_post("pytest tests/test_api.py", "5 passed in 0.31s", 0))
+    await send(client, prompt("From now on always run the linter before committing. Thanks!"))
+    await send(client, prompt("I prefer small commits with imperative subjects."))
+    memories = await captured(client)
+    by_origin = {m["origin"]: m for m in memories}
+    assert by_origin["capture:git_commit"]["text"] == "Committed: Switch the cache to Redis streams"
+    assert by_origin["capture:git_commit"]["kind"] == "decision"
+    assert by_origin["capture:git_history"]["text"] == "New branch feature/retry-queue"
+    assert by_origin["capture:significant_edit"]["text"] == "Edited /tmp/capproj/pyproject.toml"
+    assert "Cannot find module" in by_origin["capture:repeated_failure"]["text"]
+    assert by_origin["capture:repeated_failure"]["kind"] == "error"
+    assert by_origin["capture:fixed_after_failure"]["text"].startswith("Works: `npm run build`")
+    assert by_origin["capture:tests_green"]["text"].startswith("Tests green again: `pytest tests/test_api.py`")
+    assert "5 passed" in by_origin["capture:tests_green"]["text"]
+    rules = [m for m in memories if m["origin"] == "capture:user_rule"]
+    assert {m["kind"] for m in rules} == {"constraint", "preference"}
+    assert any(m["text"].startswith("From now on always run the linter") for m in rules)
+    assert {r.name for r in RULES} <= {m["origin"].split(":", 1)[1] for m in memories}
+    # Each captured memory links back to the event that produced it.
+    assert all(m["sources"] for m in memories)
+
+
+@pytest.mark.parametrize("command", [
+    "git push origin main", "git stash", "ls -la", "cat README.md", "git status", "git commit", "git commit --amend",
+    "pwd", "git diff HEAD~1", "echo hello",
+])
+async def test_plumbing_never_fires(client: AsyncClient, command: str) -> None:
+    await send(client, claude_post(command, "output"))
+    await send(client, claude_post(command, stderr="fatal: something", failed=True))
+    await send(client, claude_post(command, stderr="fatal: something", failed=True))
+    await send(client, claude_post(command, "output"))
+    await send(client, claude_post("", tool="Read", tool_input={"file_path": "/tmp/capproj/src/app.py"}))
+    await send(client, claude_post("", tool="Edit", tool_input={"file_path": "/tmp/capproj/src/app.py"}))
+    await send(client, prompt("yes"))
+    await send(client, prompt("what does this function do?"))
+    stats = await client.call("stats")
+    assert stats["counts"]["memories"] == 0, stats
+
+
+async def test_rate_limit_per_session(client: AsyncClient, home) -> None:
+    for i in range(80):
+        await send(client, claude_post(f'git commit -m "change number {i}"', "ok", session="busy"))
+    stats = await client.call("stats")
+    assert stats["memories"]["decision"]["active"] == 60  # capture_rate_per_session
+
+
+def test_parsers_on_real_command_shapes() -> None:
+    assert commit_subject('git commit -m "fix: handle empty input"') == "fix: handle empty input"
+    assert commit_subject("git commit -am 'wip'") == "wip"
+    assert commit_subject(
+        "git commit -m \"$(cat <<'EOF'\nAdd retry queue\n\nLonger body\nEOF\n)\"") == "Add retry queue"
+    assert commit_subject("git commit") is None
+    assert shell_command({"command": ["bash", "-lc", "npm test"]}) == "npm test"
+    assert shell_command({"cmd": "cargo test"}) == "cargo test"
