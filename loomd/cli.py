@@ -203,3 +203,78 @@ def doctor(as_json: bool) -> None:
                                if f["fix"] and f["status"] != "OK" else "") for f in fs))
     if any(f.status == "FAIL" for f in findings):
         sys.exit(1)
+
+
+@main.command()
+@click.option("--session", default=None, help="a session id: the frozen start block, or recall for --prompt")
+@click.option("--prompt", default=None, help="show what a prompt would recall (needs --session)")
+@click.option("--compact", is_flag=True, help="the block injected after compaction (needs --session)")
+@click.option("--agent", default="claude", show_default=True)
+@json_option
+def context(session: str | None, prompt: str | None, compact: bool, agent: str, as_json: bool) -> None:
+    """Show the [LOOM] block an agent would get here."""
+    kind = "compact" if compact else "prompt" if prompt else "start"
+    data = _call("context", {"kind": kind, "session_id": session, "prompt": prompt, "agent": agent,
+                             "cwd": os.getcwd()})
+    _emit(data, as_json, lambda d: d["text"] or "(nothing to inject)")
+
+
+def _task_line(t: dict[str, Any]) -> str:
+    need = f"  needs: {', '.join(t['gaps'])}" if t["gaps"] and t["state"] != "stable" else ""
+    return f"#{t['id']:<6} {t['state']:<7} {t['title']}{need}"
+
+
+@main.group()
+def task() -> None:
+    """Tasks with honest closure: stable only with an artifact, a passing evaluation and a memory reference."""
+
+
+@task.command("create")
+@click.argument("title")
+@click.option("--draft", is_flag=True, help="start as draft instead of active")
+@json_option
+def task_create(title: str, draft: bool, as_json: bool) -> None:
+    """Open a task for this project."""
+    data = _call("task_create", {"title": title, "cwd": os.getcwd(), "state": "draft" if draft else "active"})
+    _emit(data, as_json, _task_line)
+
+
+@task.command("update")
+@click.argument("task_id", type=int)
+@click.option("--state", type=click.Choice(["draft", "active"]), default=None)
+@click.option("--artifact", multiple=True, help="a path or commit that the work produced")
+@click.option("--eval", "evaluation", nargs=2, default=None, metavar="COMMAND RESULT",
+              help="a command that passed, and what it printed")
+@click.option("--memory", "memories", multiple=True, type=int, help="a memory id this task relies on")
+@click.option("--note", default=None)
+@json_option
+def task_update(task_id: int, state: str | None, artifact: tuple[str, ...], evaluation: tuple[str, str] | None,
+                memories: tuple[int, ...], note: str | None, as_json: bool) -> None:
+    """Add evidence or notes to a task."""
+    evidence: dict[str, Any] = {}
+    if artifact:
+        evidence["artifact"] = list(artifact)
+    if evaluation:
+        evidence["evaluation"] = {"command": evaluation[0], "result": evaluation[1], "passed": True}
+    if memories:
+        evidence["memory"] = list(memories)
+    data = _call("task_update", {"id": task_id, "state": state, "evidence": evidence or None, "note": note})
+    _emit(data, as_json, _task_line)
+
+
+@task.command("close")
+@click.argument("task_id", type=int)
+@json_option
+def task_close(task_id: int, as_json: bool) -> None:
+    """Mark a task stable; refused, with the missing evidence named, until all three kinds are there."""
+    _emit(_call("task_close", {"id": task_id}), as_json, _task_line)
+
+
+@task.command("list")
+@click.option("--state", type=click.Choice(["draft", "active", "stable"]), default=None)
+@click.option("--all-projects", is_flag=True)
+@json_option
+def task_list(state: str | None, all_projects: bool, as_json: bool) -> None:
+    """List tasks of this project."""
+    data = _call("task_list", {"cwd": os.getcwd(), "state": state, "all_projects": all_projects})
+    _emit(data, as_json, lambda d: "\n".join(map(_task_line, d["tasks"])) or "no tasks")

@@ -1,0 +1,173 @@
+"""Token economy: replay every real session through the hook path and count what loomd injects.
+
+Each session file under the transcripts folder is replayed in time order, as the hooks would have delivered it:
+SessionStart, one UserPromptSubmit per user message, Pre/PostToolUse per tool call, SessionStart(compact) at a
+compaction summary, Stop, SessionEnd. Prints one JSON object: per session the tokens injected at start, per
+prompt and after compaction, duplicates (an id injected twice in one session; must be 0), and the injected share of
+the session's own tokens. Tokens are chars/4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from loomd.client import Client  # noqa: E402
+from loomd.transcript import TranscriptItem, detect_format, parse_file  # noqa: E402
+
+ID = re.compile(r"#(\d+)\b")
+
+
+def tokens(text: str) -> int:
+    return (len(text) + 3) // 4
+
+
+def sessions(root: Path) -> list[tuple[Path, list[TranscriptItem]]]:
+    out = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix not in (".jsonl", ".json") or "/subagents/" in str(path) or path.name.startswith("agent-"):
+            continue
+        if detect_format(path) is None:
+            continue
+        items = [i for i in parse_file(path) if not i.is_sidechain]
+        if items:
+            out.append((path, items))
+    # Time order across files, so later sessions of a project find what earlier ones left.
+    return sorted(out, key=lambda s: min((i.ts for i in s[1] if i.ts), default=0.0))
+
+
+def start_daemon(home: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "LOOMD_HOME": str(home), "LOOMD_TAIL_TRANSCRIPTS": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "loomd", "serve"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(home / "daemon.log", "wb"), cwd=REPO)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with Client(home / "loomd.sock", timeout=2) as c:
+                c.call("ping")
+            return proc
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit(f"daemon did not start: {(home / 'daemon.log').read_text()[-2000:]}")
+
+
+class Replay:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.n = 0
+
+    def hook(self, event: str, body: dict[str, Any], context: bool = False) -> str:
+        self.n += 1
+        reply = self.client.call("hook", raw=json.dumps(body).encode(), event=event, eid=f"bench-{self.n}",
+                                 context=context, deadline_ms=2000)
+        if not reply["stdout"]:
+            return ""
+        return json.loads(reply["stdout"])["hookSpecificOutput"]["additionalContext"]
+
+    def session(self, path: Path, items: list[TranscriptItem]) -> dict[str, Any]:
+        sid = items[0].session_id or path.stem
+        cwd = next((i.cwd for i in items if i.cwd), "/replay/" + path.parent.name)
+        agent = items[0].agent
+        base = {"session_id": sid, "transcript_path": str(path), "cwd": cwd}
+        if agent == "codex":
+            base["turn_id"] = "replay"
+        own = sum(tokens(i.text) for i in items)
+        start = self.hook("SessionStart", {**base, "hook_event_name": "SessionStart", "source": "startup"}, True)
+        injected_ids = [int(x) for x in ID.findall(start)]
+        prompts: list[dict[str, Any]] = []
+        compact_tokens = 0
+        for item in items:
+            if item.kind == "user_message":
+                block = self.hook("UserPromptSubmit", {**base, "hook_event_name": "UserPromptSubmit",
+                                                       "prompt": item.text}, True)
+                prompts.append({"prompt": item.text[:120], "tokens": tokens(block), "block": block})
+                injected_ids += [int(x) for x in ID.findall(block)]
+            elif item.kind == "tool_use" and item.tool_use_id:
+                self.hook("PreToolUse", {**base, "hook_event_name": "PreToolUse", "tool_name": item.tool_name,
+                                         "tool_input": item.tool_input or {}, "tool_use_id": item.tool_use_id})
+                self._pending = item
+            elif item.kind == "tool_result" and item.tool_use_id:
+                use = getattr(self, "_pending", None)
+                tool_input = use.tool_input if use and use.tool_use_id == item.tool_use_id else {}
+                response: Any = item.text if agent == "codex" else {"stdout": item.text, "stderr": "",
+                                                                      "is_error": item.is_error}
+                event = "PostToolUseFailure" if item.is_error and agent == "claude" else "PostToolUse"
+                body = {**base, "hook_event_name": event, "tool_name": item.tool_name or (use.tool_name if use else ""),
+                        "tool_input": tool_input or {}, "tool_use_id": item.tool_use_id}
+                body["error" if event == "PostToolUseFailure" else "tool_response"] = response
+                self.hook(event, body)
+            elif item.kind == "compact_summary":
+                self.hook("PreCompact", {**base, "hook_event_name": "PreCompact", "trigger": "auto",
+                                         "custom_instructions": ""})
+                block = self.hook("SessionStart", {**base, "hook_event_name": "SessionStart", "source": "compact"},
+                                  True)
+                compact_tokens += tokens(block)
+            elif item.kind == "assistant_message":
+                self.hook("Stop", {**base, "hook_event_name": "Stop", "stop_hook_active": False,
+                                   "last_assistant_message": item.text})
+        self.hook("SessionEnd", {**base, "hook_event_name": "SessionEnd", "reason": "other"})
+        start_ids = [int(x) for x in ID.findall(start)]
+        prompt_ids = [int(x) for p in prompts for x in ID.findall(p["block"])]
+        duplicates = len(prompt_ids) - len(set(prompt_ids)) + len(set(prompt_ids) & set(start_ids))
+        total = tokens(start) + sum(p["tokens"] for p in prompts) + compact_tokens
+        return {
+            "file": str(path.relative_to(path.parents[2])) if len(path.parents) > 2 else path.name,
+            "agent": agent, "items": len(items), "own_tokens": own, "start_tokens": tokens(start),
+            "prompts": len(prompts), "prompts_with_recall": sum(1 for p in prompts if p["tokens"]),
+            "prompt_tokens": sum(p["tokens"] for p in prompts), "compact_tokens": compact_tokens,
+            "injected_tokens": total, "share_of_own": round(total / own, 4) if own else 0.0,
+            "duplicates": duplicates, "start_block": start,
+            "recall_examples": [p for p in prompts if p["tokens"]][:2],
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data", type=Path,
+                        default=Path(os.environ.get("LOOMD_TEST_DATA") or REPO.parent / "shared" / "data"))
+    parser.add_argument("--quick", action="store_true", help="the first five sessions only")
+    parser.add_argument("--show", action="store_true", help="include the blocks themselves")
+    args = parser.parse_args()
+    found = sessions(args.data / "transcripts")
+    if args.quick:
+        found = found[:5]
+    with tempfile.TemporaryDirectory(prefix="lmt", dir="/tmp") as tmp:
+        home = Path(tmp)
+        proc = start_daemon(home)
+        try:
+            with Client(home / "loomd.sock", timeout=60) as client:
+                replay = Replay(client)
+                rows = [replay.session(path, items) for path, items in found]
+                stats = client.call("stats")
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    if not args.show:
+        for row in rows:
+            row.pop("start_block")
+            row.pop("recall_examples")
+    totals = {k: sum(r[k] for r in rows) for k in ("own_tokens", "start_tokens", "prompt_tokens", "compact_tokens",
+                                                     "injected_tokens", "duplicates", "prompts",
+                                                     "prompts_with_recall")}
+    totals["share_of_own"] = round(totals["injected_tokens"] / max(1, totals["own_tokens"]), 4)
+    print(json.dumps({
+        "bench": "tokens", "machine": platform.machine(), "python": platform.python_version(),
+        "sessions": len(rows), "totals": totals, "memories": stats["memories"], "per_session": rows,
+    }, indent=2, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    main()
