@@ -1,11 +1,16 @@
-"""BENCH.md §1, the hook path: wall time of one `loom-hook` invocation as the agent spawns it.
+"""BENCH.md §1, the hook path: wall time of one hook invocation, spawned the way the agent spawns it.
 
-Runs the exact installed command line (`<abs python> -S -E <repo>/shims/loom-hook <Event>`, payload on stdin)
-for each event kind with the daemon down (spool path) and up (`python -m loomd serve` on a private LOOMD_HOME),
-next to same-run baselines: the interpreter floor (`<same python> -S -E -c pass`) and `/bin/true`. Variants are
-interleaved round-robin so machine noise lands on all of them alike. Prints one JSON object on stdout, nothing else.
+The commands are the ones `loom install` writes: the bench runs `loom install claude --settings-only` into a
+scratch HOME and LOOMD_HOME (which also renders the plugin), reads the hook commands back from the rendered
+`hooks/hooks.json` and runs each through `/bin/sh -c` with CLAUDE_PLUGIN_ROOT set, as Claude Code does (Codex uses
+`bash -c`); Codex `notify` is the argv from config.toml, exec'd directly. The checked-in plugin's command (the
+shell finds the interpreter pinned in `hook-python`) is measured too, daemon up. Per event kind, daemon down
+(the spool path) and up (`python -m loomd serve` with one memory stored, so SessionStart renders a real block and
+UserPromptSubmit runs a real recall), next to same-run baselines spawned the same way: the interpreter floor
+`/bin/sh -c '<python> -S -E -c pass'`, `/bin/sh -c true` and `/bin/true`. Variants are interleaved round-robin
+so machine noise lands on all alike. Prints one JSON object on stdout, nothing else.
 
-    python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up]
+    python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
 """
 
 from __future__ import annotations
@@ -16,59 +21,58 @@ import math
 import os
 import platform
 import shutil
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SHIM = REPO / "shims" / "loom-hook"
+sys.path.insert(0, str(REPO))
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "transcripts"
+PROJECT = "/x/proj"
 
 # event kind -> the hook-log file name used by the disler/claude-code-hooks-mastery layout under transcripts/
 EVENTS = {
     "SessionStart": "session_start.json",
     "UserPromptSubmit": "user_prompt_submit.json",
-    "PreToolUse": "pre_tool_use.json",
     "PostToolUse": "post_tool_use.json",
+    "PostToolUseFailure": "",
+    "PreCompact": "pre_compact.json",
     "Stop": "stop.json",
     "SubagentStop": "subagent_stop.json",
-    "PreCompact": "pre_compact.json",
     "Notification": "notification.json",
     "SessionEnd": "session_end.json",
     "notify": "",  # Codex notify: payload in argv
 }
 
 _BASE = {"session_id": "9140aa1c-bench", "transcript_path": "/home/u/.claude/projects/-x-proj/9140aa1c-bench.jsonl",
-         "cwd": "/x/proj"}  # fmt: skip
+         "cwd": PROJECT}  # fmt: skip
+_TOOL = {"tool_name": "Bash", "tool_input": {"command": "pytest -q tests/test_x.py"}, "tool_use_id": "toolu_bench01"}
 BUILTIN: dict[str, dict[str, Any]] = {
     "SessionStart": {**_BASE, "hook_event_name": "SessionStart", "source": "startup"},
     "UserPromptSubmit": {**_BASE, "prompt_id": "3a2e", "permission_mode": "default",
-                         "hook_event_name": "UserPromptSubmit", "prompt": "why does the flaky test fail on CI?"},
-    "PreToolUse": {**_BASE, "hook_event_name": "PreToolUse", "tool_name": "Bash",
-                   "tool_input": {"command": "pytest -q tests/test_x.py", "description": "run tests"},
-                   "tool_use_id": "toolu_bench01"},
-    "PostToolUse": {**_BASE, "hook_event_name": "PostToolUse", "tool_name": "Bash",
-                    "tool_input": {"command": "pytest -q tests/test_x.py"},
+                         "hook_event_name": "UserPromptSubmit", "prompt": "how do I add a dependency here?"},
+    "PostToolUse": {**_BASE, "hook_event_name": "PostToolUse", **_TOOL,
                     "tool_response": {"stdout": "....F.\n" + "E   AssertionError\n" * 40, "stderr": "",
-                                      "interrupted": False},
-                    "tool_use_id": "toolu_bench01", "duration_ms": 812},
+                                      "interrupted": False}, "duration_ms": 812},
+    "PostToolUseFailure": {**_BASE, "hook_event_name": "PostToolUseFailure", **_TOOL,
+                           "error": "Exit code 1\nE   AssertionError"},
+    "PreCompact": {**_BASE, "hook_event_name": "PreCompact", "trigger": "auto", "custom_instructions": ""},
     "Stop": {**_BASE, "hook_event_name": "Stop", "stop_hook_active": False,
              "last_assistant_message": "Fixed the race in the fixture; all tests pass."},
     "SubagentStop": {**_BASE, "hook_event_name": "SubagentStop", "stop_hook_active": False, "agent_id": "a1",
                      "agent_type": "general-purpose", "agent_transcript_path": "/home/u/.claude/a1.jsonl"},
-    "PreCompact": {**_BASE, "hook_event_name": "PreCompact", "trigger": "auto", "custom_instructions": ""},
     "Notification": {**_BASE, "hook_event_name": "Notification", "message": "Claude needs your permission",
                      "notification_type": "permission_prompt"},
     "SessionEnd": {**_BASE, "hook_event_name": "SessionEnd", "reason": "other"},
-    "notify": {"type": "agent-turn-complete", "thread-id": "01a2-bench", "turn-id": "t1", "cwd": "/x/proj",
+    "notify": {"type": "agent-turn-complete", "thread-id": "01a2-bench", "turn-id": "t1", "cwd": PROJECT,
                "client": "codex_exec", "input-messages": ["hello codex"],
                "last-assistant-message": "FAKE-CODEX-REPLY done."},
 }  # fmt: skip
+TARGET_P50_MS, TARGET_P99_MS = 3.0, 10.0  # issue 3: within this much of the interpreter floor
 
 
 def load_payloads(data: Path, event: str) -> tuple[list[bytes], str]:
@@ -89,10 +93,48 @@ def load_payloads(data: Path, event: str) -> tuple[list[bytes], str]:
     return [json.dumps(BUILTIN[event], separators=(",", ":")).encode()], "builtin"
 
 
-def command(python: str, event: str, payload: bytes) -> tuple[list[str], bytes | None]:
-    if event == "notify":
-        return [python, "-S", "-E", str(SHIM), "notify", payload.decode()], None
-    return [python, "-S", "-E", str(SHIM), event], payload
+def fresh_session(payload: bytes, n: int) -> bytes:
+    """SessionStart of a new session each time: the daemon renders a start block instead of returning a frozen one."""
+    try:
+        item = json.loads(payload)
+    except ValueError:
+        return payload
+    item["session_id"] = f"bench-{os.getpid()}-{n}"
+    item["cwd"] = PROJECT
+    return json.dumps(item, separators=(",", ":")).encode()
+
+
+# ---------------------------------------------------------------- what loom install writes
+
+
+def installed_commands(python: str, root: Path) -> tuple[dict[str, str], list[str], dict[str, str]]:
+    """`loom install claude --settings-only` into a scratch HOME (no client CLI on PATH) and LOOMD_HOME under
+    `root`: the plugin-mode hook commands it rendered, the Codex notify argv, and the env the agent runs them with."""
+    from loomd.install import plan
+
+    env = {"HOME": str(root / "user"), "LOOMD_HOME": str(root), "PATH": str(root / "nobin")}
+    (root / "user").mkdir(parents=True, exist_ok=True)
+    plan("claude", env=env, python=python, settings_only=True).apply()
+    plan("codex", env=env, python=python, settings_only=True).apply()
+    plugin = root / "plugin" / "loom"
+    hooks = json.loads((plugin / "hooks" / "hooks.json").read_text())["hooks"]
+    commands = {event: groups[0]["hooks"][0]["command"] for event, groups in hooks.items()}
+    notify = tomllib.loads((root / "user" / ".codex" / "config.toml").read_text())["notify"]
+    run_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root / "user"),
+               "CLAUDE_PLUGIN_ROOT": str(plugin), "CLAUDECODE": "1"}  # fmt: skip
+    return commands, notify, run_env
+
+
+def plain_commands(python: str, root: Path) -> dict[str, str]:
+    """The checked-in plugin's commands, with this interpreter pinned in `<LOOMD_HOME>/hook-python`."""
+    from loomd.plugin import PINNED_PYTHON
+
+    (root / PINNED_PYTHON).write_text(python + "\n")
+    hooks = json.loads((REPO / "plugin" / "hooks" / "hooks.json").read_text())["hooks"]
+    return {event: groups[0]["hooks"][0]["command"] for event, groups in hooks.items()}
+
+
+# ---------------------------------------------------------------- timing
 
 
 def spawn(argv: list[str], stdin: bytes | None, env: dict[str, str]) -> tuple[float, bytes, int]:
@@ -110,92 +152,98 @@ def percentile(sorted_xs: list[float], q: float) -> float:
 
 def summary(xs: list[float]) -> dict[str, Any]:
     s = sorted(xs)
+    return {"n": len(s), "p50": round(percentile(s, 0.50), 3), "p95": round(percentile(s, 0.95), 3),
+            "p99": round(percentile(s, 0.99), 3), "max": round(s[-1], 3), "mean": round(sum(s) / len(s), 3)}
+
+
+Variant = tuple[list[str], bytes | None, dict[str, str]]
+
+
+def measure(variants: dict[str, list[Variant]], runs: int) -> dict[str, dict[str, Any]]:
+    """Interleave every variant, `runs` rounds after one warm-up round; a variant may rotate through payloads."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    printed = dict.fromkeys(variants, 0)
+    failed = dict.fromkeys(variants, 0)
+    for round_ in range(runs + 1):
+        for name, choices in variants.items():
+            argv, stdin, env = choices[round_ % len(choices)]
+            ms, out, rc = spawn(argv, stdin, env)
+            if round_:
+                times[name].append(ms)
+                printed[name] += bool(out)
+                failed[name] += rc != 0
+    return {name: {**summary(xs), "printed_stdout": printed[name], "nonzero_exit": failed[name]}
+            for name, xs in times.items()}  # fmt: skip
+
+
+def with_deltas(stats: dict[str, dict[str, Any]], events: list[str], prefix: str = "") -> dict[str, Any]:
+    floor = stats["python_floor"]
+    out: dict[str, Any] = {}
+    for event in events:
+        s = stats[prefix + event]
+        s["delta_p50_vs_floor_ms"] = round(s["p50"] - floor["p50"], 3)
+        s["delta_p99_vs_floor_ms"] = round(s["p99"] - floor["p99"], 3)
+        s["ratio_p50_vs_floor"] = round(s["p50"] / floor["p50"], 3) if floor["p50"] else None
+        s["meets_target"] = s["delta_p50_vs_floor_ms"] <= TARGET_P50_MS and s["delta_p99_vs_floor_ms"] <= TARGET_P99_MS
+        out[event] = s
+    return out
+
+
+def baselines(python: str, payload: bytes) -> dict[str, list[Variant]]:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     return {
-        "n": len(s),
-        "p50": round(percentile(s, 0.50), 3),
-        "p95": round(percentile(s, 0.95), 3),
-        "p99": round(percentile(s, 0.99), 3),
-        "max": round(s[-1], 3),
-        "mean": round(sum(s) / len(s), 3),
+        "python_floor": [(["/bin/sh", "-c", f"{python} -S -E -c pass"], payload, env)],  # spawned as hooks are
+        "python_floor_direct": [([python, "-S", "-E", "-c", "pass"], payload, env)],
+        "sh_true": [(["/bin/sh", "-c", "true"], payload, env)],
+        "bin_true": [(["/bin/true"], payload, env)],
     }
 
 
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "node": platform.node(),
-    }
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        pass
-    return info
-
-
-def clean_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") and k != "CLAUDECODE"}
-    env["LOOMD_HOME"] = str(home)
-    return env
+def hook_variants(events: list[str], payloads: dict[str, list[bytes]], commands: dict[str, str],
+                  notify: list[str], env: dict[str, str], prefix: str = "") -> dict[str, list[Variant]]:
+    out: dict[str, list[Variant]] = {}
+    for event in events:
+        if event == "notify":
+            out[prefix + event] = [([*notify, p.decode()], None, env) for p in payloads[event]]
+        elif event in commands:
+            choices = payloads[event]
+            if event == "SessionStart":
+                choices = [fresh_session(choices[n % len(choices)], n) for n in range(64)]
+            out[prefix + event] = [(["/bin/sh", "-c", commands[event]], p, env) for p in choices]
+    return out
 
 
 # ---------------------------------------------------------------- the daemon
 
 
-def _frame(obj: dict[str, Any]) -> bytes:
-    import msgpack
-
-    body = msgpack.packb(obj)
-    return struct.pack(">I", len(body)) + body
-
-
-def call(sock_path: Path, op: str, args: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
-    import msgpack
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(sock_path))
-        s.sendall(_frame({"v": 1, "id": 1, "op": op, "args": args or {}}))
-        head = b""
-        while len(head) < 4:
-            chunk = s.recv(4 - len(head))
-            if not chunk:
-                raise ConnectionError("daemon closed the connection")
-            head += chunk
-        (size,) = struct.unpack(">I", head)
-        body = b""
-        while len(body) < size:
-            chunk = s.recv(size - len(body))
-            if not chunk:
-                raise ConnectionError("daemon closed the connection")
-            body += chunk
-    return msgpack.unpackb(body, raw=False)
-
-
 def start_daemon(python: str, home: Path, within_s: float) -> tuple[subprocess.Popen[bytes], float]:
-    env = clean_env(home)
+    from loomd.client import Client
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") and k != "CLAUDECODE"}
+    env.update(LOOMD_HOME=str(home), LOOMD_CODEX_HOME=str(home / "codex-home"))
     start = time.monotonic()
     with open(home / "daemon.log", "ab") as log:
         proc = subprocess.Popen([python, "-m", "loomd", "serve"], cwd=REPO, env=env, stdout=log, stderr=log)
-    sock_path = home / "loomd.sock"
     while time.monotonic() - start < within_s:
         if proc.poll() is not None:
             tail = (home / "daemon.log").read_text(errors="replace")[-1500:]
             raise RuntimeError(f"daemon exited with {proc.returncode}: {tail}")
         try:
-            if call(sock_path, "ping", timeout=1.0).get("ok"):
-                return proc, time.monotonic() - start
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.02)
+            with Client(home / "loomd.sock", timeout=1.0) as c:
+                c.call("ping")
+            return proc, time.monotonic() - start
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.02)
     proc.kill()
     proc.wait()
     raise TimeoutError(f"daemon socket did not answer within {within_s} s")
+
+
+def call(home: Path, op: str, **args: Any) -> Any:
+    from loomd.client import Client
+
+    with Client(home / "loomd.sock", timeout=30) as c:
+        return c.call(op, args)
 
 
 def stop_daemon(proc: subprocess.Popen[bytes]) -> int | None:
@@ -209,67 +257,31 @@ def stop_daemon(proc: subprocess.Popen[bytes]) -> int | None:
     return proc.returncode
 
 
-# ---------------------------------------------------------------- the runs
-
-
-def measure(
-    python: str, events: list[str], payloads: dict[str, list[bytes]], runs: int, env: dict[str, str]
-) -> dict[str, dict[str, Any]]:
-    """Interleave every event kind and both baselines, `runs` rounds (after one warm-up round)."""
-    variants: dict[str, tuple[list[str], bytes | None]] = {
-        "python_floor": ([python, "-S", "-E", "-c", "pass"], payloads[events[0]][0]),
-        "bin_true": (["/bin/true"], payloads[events[0]][0]),
-    }
-    times: dict[str, list[float]] = {name: [] for name in [*variants, *events]}
-    printed: dict[str, int] = {e: 0 for e in events}
-    failed: dict[str, int] = {e: 0 for e in events}
-    for round_ in range(runs + 1):
-        for name, (argv, stdin) in variants.items():
-            ms, _, _ = spawn(argv, stdin, env)
-            if round_:
-                times[name].append(ms)
-        for event in events:
-            choices = payloads[event]
-            argv, stdin = command(python, event, choices[round_ % len(choices)])
-            ms, out, rc = spawn(argv, stdin, env)
-            if round_:
-                times[event].append(ms)
-                printed[event] += bool(out)
-                failed[event] += rc != 0
-    result: dict[str, dict[str, Any]] = {}
-    for name, xs in times.items():
-        result[name] = summary(xs)
-        if name in printed:
-            result[name]["printed_stdout"] = printed[name]
-            result[name]["nonzero_exit"] = failed[name]
-    return result
-
-
-def with_deltas(stats: dict[str, dict[str, Any]], events: list[str]) -> dict[str, Any]:
-    floor = stats["python_floor"]["p50"]
-    true = stats["bin_true"]["p50"]
-    for event in events:
-        s = stats[event]
-        s["delta_p50_vs_floor_ms"] = round(s["p50"] - floor, 3)
-        s["ratio_p50_vs_floor"] = round(s["p50"] / floor, 3) if floor else None
-        s["delta_p50_vs_true_ms"] = round(s["p50"] - true, 3)
-    return {
-        "baselines": {"python_floor": stats["python_floor"], "bin_true": stats["bin_true"]},
-        "events": {e: stats[e] for e in events},
-    }
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=None, help="runs per variant (default 200, --quick 50)")
-    parser.add_argument("--quick", action="store_true", help="50 runs per variant")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=None, help="runs per variant (default 200, --quick 40)")
+    parser.add_argument("--quick", action="store_true", help="40 runs per variant: well under a minute")
     parser.add_argument("--events", default=",".join(EVENTS), help="comma-separated event kinds")
-    parser.add_argument("--python", default=sys.executable, help="absolute interpreter for the shim and floor")
+    parser.add_argument("--python", default=sys.executable, help="absolute interpreter for the hooks and the floor")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="transcripts dir with hook logs")
     parser.add_argument("--skip-up", action="store_true", help="only the daemon-down (spool) path")
+    parser.add_argument("--skip-plain", action="store_true", help="skip the checked-in plugin's command")
     parser.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the daemon")
     opts = parser.parse_args(argv)
-    runs = opts.runs or (50 if opts.quick else 200)
+    runs = opts.runs or (40 if opts.quick else 200)
     python = str(Path(opts.python).absolute())  # never resolve symlinks: a venv's python must stay the venv's
     events = [e for e in opts.events.split(",") if e]
     unknown = [e for e in events if e not in EVENTS]
@@ -283,52 +295,56 @@ def main(argv: list[str] | None = None) -> int:
         sizes = sorted(len(p) for p in payloads[event])
         sources[event] = {"from": origin, "payloads": len(sizes), "bytes_p50": sizes[len(sizes) // 2],
                           "bytes_max": sizes[-1]}  # fmt: skip
-
     version = subprocess.run([python, "-S", "-E", "-c", "import sys; print(sys.version)"],
                              capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
-    report: dict[str, Any] = {
-        "bench": "hooks",
-        "machine": machine(),
-        "python": {"executable": python, "version": version},
-        "params": {
-            "runs": runs,
-            "quick": opts.quick,
-            "events": events,
-            "command": [python, "-S", "-E", str(SHIM), "<Event>"],
-            "payloads": sources,
-            "timer": "perf_counter around Popen + communicate(payload) + wait",
-        },
-    }
-
+    report: dict[str, Any] = {"bench": "hooks", "machine": machine(), "python": {"executable": python,
+                                                                                  "version": version}}
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="lb", dir="/tmp"))  # short: AF_UNIX paths are limited to ~107 bytes
     try:
-        down_home = root / "down"
-        down_home.mkdir()
-        down = measure(python, events, payloads, runs, clean_env(down_home))
-        report["down"] = with_deltas(down, events)
+        down_home, up_home = root / "d", root / "u"
+        down_cmds, down_notify, down_env = installed_commands(python, down_home)
+        report["params"] = {
+            "runs": runs, "quick": opts.quick, "events": events, "payloads": sources,
+            "spawn": "/bin/sh -c <command> with CLAUDE_PLUGIN_ROOT set (as Claude Code); notify: argv exec'd",
+            "installed_command_example": down_cmds.get("Stop"), "notify_argv": down_notify,
+            "timer": "perf_counter around Popen + communicate(payload) + wait",
+            "target": {"p50_within_ms": TARGET_P50_MS, "p99_within_ms": TARGET_P99_MS},
+        }  # fmt: skip
+        first = payloads[events[0]][0]
+        down = measure({**baselines(python, first),
+                        **hook_variants(events, payloads, down_cmds, down_notify, down_env)}, runs)
         spool = down_home / "spool"
-        report["down"]["spooled_files"] = len(list(spool.glob("*.msgpack"))) if spool.is_dir() else 0
-
+        report["down"] = {"baselines": {k: down[k] for k in baselines(python, first)},
+                          "events": with_deltas(down, events),
+                          "spooled_files": len(list(spool.glob("*.msgpack"))) if spool.is_dir() else 0}
         if opts.skip_up:
             report["up"] = {"skipped": True}
         else:
-            up_home = root / "up"
-            up_home.mkdir()
+            up_cmds, up_notify, up_env = installed_commands(python, up_home)
+            variants = {**baselines(python, first), **hook_variants(events, payloads, up_cmds, up_notify, up_env)}
+            if not opts.skip_plain:
+                plain_env = {**up_env, "CLAUDE_PLUGIN_ROOT": str(REPO / "plugin"), "LOOMD_HOME": str(up_home)}
+                plain = hook_variants([e for e in events if e != "notify"], payloads, plain_commands(python, up_home),
+                                      [], plain_env, prefix="plain:")
+                variants.update(plain)
             try:
-                proc, ready_s = start_daemon(sys.executable, up_home, opts.start_timeout)
+                proc, ready_s = start_daemon(python, up_home, opts.start_timeout)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 report["up"] = {"error": str(exc)}
             else:
                 try:
-                    up = measure(python, events, payloads, runs, clean_env(up_home))
-                    report["up"] = with_deltas(up, events)
-                    report["up"]["daemon_ready_s"] = round(ready_s, 3)
-                    try:
-                        status = call(up_home / "loomd.sock", "status", timeout=10.0)
-                        report["up"]["daemon_status"] = status.get("result", status)
-                    except (OSError, ValueError) as exc:
-                        report["up"]["daemon_status"] = {"error": str(exc)}
+                    call(up_home, "store", text="Use uv for every dependency change, never pip", kind="constraint",
+                         cwd=PROJECT)
+                    up = measure(variants, runs)
+                    report["up"] = {"baselines": {k: up[k] for k in baselines(python, first)},
+                                    "events": with_deltas(up, events), "daemon_ready_s": round(ready_s, 3)}
+                    if not opts.skip_plain:
+                        plain_events = [e for e in events if e != "notify"]
+                        report["up"]["plain_plugin_events"] = with_deltas(up, plain_events, prefix="plain:")
+                    status = call(up_home, "status")
+                    report["up"]["daemon_counts"] = status.get("counts")
+                    report["up"]["spool_backlog"] = status.get("spool_backlog")
                     log = up_home / "hook.log"
                     report["up"]["hook_log_lines"] = len(log.read_text().splitlines()) if log.exists() else 0
                 finally:

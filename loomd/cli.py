@@ -145,6 +145,48 @@ def detail(ids: tuple[int, ...], as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("memory_id", type=int, required=False)
+@click.option("--entity", default=None, help="memories naming this entity (a path, identifier, name...)")
+@click.option("--before", default=5, show_default=True, help="memories before MEMORY_ID")
+@click.option("--after", default=5, show_default=True, help="memories after MEMORY_ID")
+@click.option("--limit", default=20, show_default=True, help="without MEMORY_ID: the newest this many")
+@click.option("--session", default=None)
+@click.option("--all-projects", is_flag=True, help="do not limit to the current directory's project")
+@json_option
+def timeline(memory_id: int | None, entity: str | None, before: int, after: int, limit: int, session: str | None,
+             all_projects: bool, as_json: bool) -> None:
+    """Memories in time order: around MEMORY_ID, naming --entity, or the newest."""
+    args: dict[str, Any] = {"id": memory_id, "entity": entity, "before": before, "after": after, "limit": limit,
+                            "session_id": session}
+    if not all_projects and memory_id is None:
+        args["cwd"] = os.getcwd()
+    data = _call("timeline", args)
+    _emit(data, as_json, lambda d: "\n".join(
+        ("> " if m.get("anchor") else "  ") + _memory_line(m) for m in d["memories"]) or "no memories")
+
+
+@main.command()
+@click.argument("ids", nargs=-1, type=int, required=True)
+@click.option("--chars", default=600, show_default=True, help="cut each event's text here")
+@json_option
+def evidence(ids: tuple[int, ...], chars: int, as_json: bool) -> None:
+    """The source events each memory was made from."""
+    data = _call("evidence", {"id": list(ids), "max_chars": chars})
+
+    def human(d: dict[str, Any]) -> str:
+        out = []
+        for m in d["memories"]:
+            out.append(_memory_line(m))
+            if not m["events"]:
+                out.append("        no source events (stored directly)")
+            for e in m["events"]:
+                text = " ".join(e["text"].split()) + (" …" if e["truncated"] else "")
+                out.append(f"        event {e['id']} {e['kind']} {e['agent']} {_day(e['ts'])}: {text}")
+        return "\n".join(out)
+    _emit(data, as_json, human)
+
+
+@main.command()
 @click.argument("ids", nargs=-1, type=int, required=True)
 @click.option("--reason", default="forget")
 @json_option
@@ -203,6 +245,14 @@ def doctor(as_json: bool) -> None:
                                if f["fix"] and f["status"] != "OK" else "") for f in fs))
     if any(f.status == "FAIL" for f in findings):
         sys.exit(1)
+
+
+@main.command("mcp")
+def mcp_server() -> None:
+    """Serve the loom tools over MCP on stdin/stdout (agents start this; `python -m loomd.mcp` is the same)."""
+    from .mcp import main as serve
+
+    sys.exit(serve([]))
 
 
 @main.command()
@@ -278,3 +328,100 @@ def task_list(state: str | None, all_projects: bool, as_json: bool) -> None:
     """List tasks of this project."""
     data = _call("task_list", {"cwd": os.getcwd(), "state": state, "all_projects": all_projects})
     _emit(data, as_json, lambda d: "\n".join(map(_task_line, d["tasks"])) or "no tasks")
+
+
+def _install_targets() -> list[str]:
+    from .install import TARGETS
+
+    return sorted(TARGETS)
+
+
+def _run_install(target: str, uninstall: bool, print_only: bool, **options: Any) -> None:
+    from .install import plan
+
+    try:
+        actions = plan(target, uninstall=uninstall, **options)
+        if print_only:
+            click.echo(actions.script(), nl=False)
+            return
+        for line in actions.apply():
+            click.echo(line)
+    except LoomdError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+print_option = click.option("--print", "print_only", is_flag=True,
+                            help="show the steps as a shell script; change nothing")
+
+
+@main.command()
+@click.argument("target", type=click.Choice(_install_targets()))
+@click.option("--settings-only", is_flag=True, help="claude/codex: hooks in the settings file instead of the plugin")
+@click.option("--python", default=None, help="the interpreter hooks and services run (default: this one)")
+@print_option
+def install(target: str, settings_only: bool, python: str | None, print_only: bool) -> None:
+    """Register loomd with TARGET (idempotent; every file changed is backed up first)."""
+    _run_install(target, False, print_only, python=python, settings_only=settings_only)
+
+
+@main.command()
+@click.argument("target", type=click.Choice(_install_targets()))
+@print_option
+def uninstall(target: str, print_only: bool) -> None:
+    """Undo `loom install TARGET`, leaving everything else as it was."""
+    _run_install(target, True, print_only)
+
+
+def _when(ts: float | None) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _worker_line(w: dict[str, Any]) -> str:
+    last = w.get("last_run") or {}
+    state = "running" if w["running"] else (last.get("outcome") or "never run")
+    line = (f"{w['name']:<10} {state:<12} last {_when(last.get('started'))}  in {last.get('items_in', 0):<5} "
+            f"out {last.get('items_out', 0):<5} next {_when(w.get('next_run'))}")
+    if last.get("error"):
+        line += f"\n           error: {last['error'][:200]}"
+    return line
+
+
+@main.group(invoke_without_command=True)
+@json_option
+@click.pass_context
+def workers(ctx: click.Context, as_json: bool) -> None:
+    """The memory workers: last run, outcome and next run of each (`loom workers run NAME` runs one)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    data = _call("workers")
+
+    def human(d: dict[str, Any]) -> str:
+        head = "passive: no background work" if d["passive"] else f"every {d['interval_s']:g}s and on events"
+        model = d.get("model") or {}
+        usage = model.get("usage") or {}
+        spent = f", {usage.get('tokens', 0)}/{model['daily_tokens']} tokens on {usage.get('day')}" if usage else ""
+        lines = [f"workers ({head}); model: {model.get('api') or 'none (rules)'}{spent}"]
+        return "\n".join(lines + [_worker_line(w) for w in d["workers"]])
+    _emit(data, as_json, human)
+
+
+@workers.command("run")
+@click.argument("name", type=click.Choice(["observer", "reflector", "dropper", "digest", "gc"]))
+@click.option("--session", "session_id", default=None, help="only this session (observer; its project otherwise)")
+@click.option("--project", default=None, help="only this project (reflector, dropper, digest, gc)")
+@click.option("--dry-run", is_flag=True, help="show what it would write; write nothing")
+@json_option
+def workers_run(name: str, session_id: str | None, project: str | None, dry_run: bool, as_json: bool) -> None:
+    """Run worker NAME now and wait for it."""
+    data = _call("workers_run", {"name": name, "session_id": session_id, "project": project, "dry_run": dry_run},
+                 timeout=600.0)
+
+    def human(d: dict[str, Any]) -> str:
+        lines = [f"{d['worker']} job #{d['job_id']}: {d['outcome']} in {d['duration_s']}s, "
+                 f"{d['items_in']} in, {d['items_out']} out" + (f"\nerror: {d['error']}" if d["error"] else "")]
+        for item in d["output"]:
+            label = item.get("type") or item.get("kind") or item.get("reason") or ""
+            text = item.get("text") or ""
+            lines.append(f"  {item['action']:<22} #{item.get('id', '-'):<6} {label:<10} {text[:150]}")
+        return "\n".join(lines)
+    _emit(data, as_json, human)

@@ -136,7 +136,8 @@ class AsyncClient:
             while True:
                 (length,) = protocol.HEADER.unpack(await self._reader.readexactly(protocol.HEADER.size))
                 reply = protocol.decode_body(await self._reader.readexactly(length))
-                future = self._pending.pop(reply.get("id"), None) if isinstance(reply, dict) else None
+                rid = reply.get("id") if isinstance(reply, dict) else None
+                future = self._pending.pop(rid, None) if isinstance(rid, int) else None
                 if future is not None and not future.done():
                     future.set_result(reply)
         except (asyncio.IncompleteReadError, ConnectionError, LoomdError) as exc:

@@ -84,6 +84,8 @@ class Config:
     embed_model: str = "text-embedding-3-small"
     embed_key: str = ""
     embed_dim: int = 384
+    embed_threads: int = 1  # onnxruntime threads of the local model (the back-fill and each query use one each)
+    embed_model_path: str = ""  # the local model file; "" = the one the model package ships
     recency_half_life_days: float = 30.0
     # workers
     passive: bool = False
@@ -96,6 +98,9 @@ class Config:
     memory_ttl_days: float = 0.0
     project_memory_cap: int = 5000
     worker_interval_s: float = 60.0
+    observe_idle_s: float = 600.0  # a session quiet this long is observed (and its open todos noted)
+    working_set_days: float = 7.0  # injected into a session active, or hit, this recently: never archived
+    stale_task_days: float = 30.0  # an open task untouched this long is archived by GC
     # optional model endpoint
     model_api: str = ""  # "" | "openai" | "anthropic"
     model_url: str = ""

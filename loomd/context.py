@@ -63,7 +63,10 @@ def project_label(project: str) -> str:
 
 
 def day(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d")
+    try:
+        return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d")
+    except (OverflowError, ValueError, OSError):  # a timestamp no calendar holds must not break the whole block
+        return "????-??-??"
 
 
 def render_line(line: Line, limit: int = MAX_LINE) -> str:

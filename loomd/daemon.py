@@ -28,15 +28,18 @@ from typing import Any
 from . import __version__
 from .capture import Capturer
 from .config import Config, load_config
+from .derived import write_derived
 from .errors import LoomdError
 from .ingest import Event, EventWriter
 from .ops import Ops
 from .planner import Planner
 from .retrieval import SearchContext, search_memories
+from .semantic import VectorService
 from .server import Server
 from .spool import Spool
 from .store import Store
 from .tailer import Tailer
+from .workers.scheduler import Scheduler
 
 log = logging.getLogger("loomd")
 
@@ -59,7 +62,7 @@ def sd_notify(message: str) -> None:
 
 
 def inherited_socket() -> socket.socket | None:
-    """The listening socket systemd or launchd passed us (LISTEN_FDS), if any."""
+    """The listening socket systemd passed us (LISTEN_FDS), if any; launchd has no such protocol (README)."""
     if os.environ.get("LISTEN_PID") != str(os.getpid()) or int(os.environ.get("LISTEN_FDS", "0") or 0) < 1:
         return None
     for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
@@ -97,6 +100,7 @@ class Daemon:
         self.server: Server | None = None
         self.spool: Spool | None = None
         self.tailer: Tailer | None = None
+        self.scheduler: Scheduler | None = None
         self.ops = Ops(self)
         self._tasks: list[asyncio.Task[Any]] = []
         self._lock_fd: int | None = None
@@ -122,21 +126,34 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         self.writer = EventWriter(self.store, max_pending=self.config.max_inflight)
         self.writer.start()
+        self.vectors = VectorService(self.config, self.store)
+        # Captured memories commit inside ingest transactions: wake the back-fill after each commit.
+        self.writer.listeners.append(lambda _events: self.memories_changed())
         self.capturer = Capturer(self.config.capture_rate_per_session, self.after_memory_write)
         self.writer.processors.append(self.capturer)
         self.planner = Planner(self.store, lambda: self.config, self.search)
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
+        # Before the socket opens: nothing may await between serving the first request and the signal handlers.
+        self.scheduler = Scheduler(self)
+        self.writer.listeners.append(self.scheduler.listener)
+        await self.scheduler.start()
         self.spool = Spool(paths.spool, self._ingest_spooled)
         self.spool.prepare()
         self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
                              max_inflight=self.config.max_inflight)
         if self.listen_sock is not None:
+            # systemd owns this socket file: never unlinked here. Shims and the CLI only find it at our path.
+            bound = self.listen_sock.getsockname()
+            if isinstance(bound, str) and bound and Path(bound) != self.socket_path:
+                log.warning("the inherited socket is %s but clients look for %s; fix ListenStream= in the unit "
+                            "(`loom install systemd` renders it)", bound, self.socket_path)
             await self.server.start(sock=self.listen_sock)
         else:
             await self.server.start(path=str(self.socket_path))
             self._owns_socket = True
         self.spawn(self.spool.watch(self.should_exit), "spool")
+        self.spawn(self.vectors.run(self.should_exit), "embeddings")
         self.spawn(self.tailer.run(self.should_exit), "tailer")
         log.info("loomd %s listening on %s (db %s)", __version__, self.socket_path, paths.db)
         sd_notify("READY=1\nSTATUS=serving")
@@ -200,6 +217,8 @@ class Daemon:
             left = await self.server.drain(self.config.drain_timeout_s)
             if left:
                 log.warning("cancelled %d request(s) still running after %.1fs", left, self.config.drain_timeout_s)
+        if self.scheduler is not None:
+            await self.scheduler.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -207,8 +226,12 @@ class Daemon:
         log.info("stopped")
 
     async def _close_resources(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.stop()  # no-op after shutdown() stopped it; needed when startup failed late
         if hasattr(self, "writer"):
             await self.writer.stop()
+        if hasattr(self, "vectors"):
+            await self.vectors.close()
         if hasattr(self, "store"):
             await self.store.close()
         if self._owns_socket:
@@ -231,16 +254,19 @@ class Daemon:
         return await search_memories(self.retrieval_context(), **kwargs)
 
     def retrieval_context(self) -> SearchContext:
-        return SearchContext(self.store)
+        return SearchContext(self.store, self.vectors, self.config.recency_half_life_days)
 
     def embedder_status(self) -> dict[str, Any]:
-        return {"provider": "none", "note": "full-text search only"}
+        return self.vectors.status()
 
     async def after_memory_write(self, db: Any, ids: list[int]) -> None:
-        """Hook for derived data written in the same transaction as a memory."""
+        """Derived data (neighbour context, entities, edges) in the same transaction as the memories."""
+        await write_derived(db, ids)
+        self.vectors.mark_dirty(ids)
 
     def memories_changed(self) -> None:
-        """Hook for background work that follows memory writes."""
+        """Memories were committed: wake the vector back-fill."""
+        self.vectors.wake()
 
 
 def setup_logging(level: str) -> None:

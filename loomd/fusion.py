@@ -105,23 +105,33 @@ def weighted_rrf(
     return [(item, score, explain[item]) for item, score in fused]
 
 
-def rank_by_entities(query_entities: Sequence[str], postings: Mapping[str, Collection[int]], total: int) -> list[int]:
-    """The graph signal, one hop: memories mentioning the query's entities, by summed idf, equal sums by id.
+def score_by_entities(
+    query_entities: Sequence[str], postings: Mapping[str, Collection[int]], total: int,
+    df: Mapping[str, int] | None = None,
+) -> list[tuple[int, float]]:
+    """The graph signal, one hop: (memory, summed idf of the query's entities it mentions), best first.
 
     `postings` maps an entity to the ids of the memories that mention it; `total` is the number of memories
-    searched. An entity in every memory (idf 0) adds nothing: a speaker's or the project's own name.
+    searched; `df` overrides an entity's document frequency when its postings were cut short. An entity in every
+    memory (idf 0) adds nothing: a speaker's or the project's own name. Equal sums are ordered by id.
     """
     scores: dict[int, float] = {}
     for entity in dict.fromkeys(query_entities):
         ids = postings.get(entity, ())
-        if not ids or total <= 0:
+        count = (df or {}).get(entity, len(ids))
+        if not ids or total <= 0 or count <= 0:
             continue
-        idf = math.log(total / len(ids))
+        idf = math.log(total / count)
         if idf <= 0:
             continue
         for item in ids:
             scores[item] = scores.get(item, 0.0) + idf
-    return [item for item, _ in sorted(scores.items(), key=lambda row: (-row[1], row[0]))]
+    return sorted(scores.items(), key=lambda row: (-row[1], row[0]))
+
+
+def rank_by_entities(query_entities: Sequence[str], postings: Mapping[str, Collection[int]], total: int) -> list[int]:
+    """`score_by_entities` without the scores."""
+    return [item for item, _ in score_by_entities(query_entities, postings, total)]
 
 
 def neighbour_context(texts: Sequence[str], window: int = CONTEXT_WINDOW) -> list[str]:

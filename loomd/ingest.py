@@ -21,6 +21,7 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 AGENTS = ("claude", "codex")
+LATEST_TS = 32503680000.0  # 3000-01-01: later (or NaN, or infinite) times are input errors
 # Events that carry the text worth remembering, and where it sits in the payload.
 TEXT_FIELDS = ("prompt", "last_assistant_message", "message", "custom_instructions", "last-assistant-message")
 
@@ -51,16 +52,21 @@ class Event:
         return max(1, len(event_text(self)) // 4)
 
 
-def truncate_strings(value: Any, max_chars: int) -> Any:
-    """Cut every long string with a marker; oversized tool output is kept in part, never rejected."""
+MAX_DEPTH = 64  # deeper JSON is cut with a marker: every later walk (redaction, capture) then stays bounded
+
+
+def truncate_strings(value: Any, max_chars: int, depth: int = 0) -> Any:
+    """Cut long strings and too-deep branches with a marker: oversized output is kept in part, never rejected."""
     if isinstance(value, str):
         if len(value) > max_chars:
             return value[:max_chars] + f"…[truncated {len(value) - max_chars} chars]"
         return value
+    if isinstance(value, dict | list) and depth >= MAX_DEPTH:
+        return f"…[truncated: nested deeper than {MAX_DEPTH} levels]"
     if isinstance(value, dict):
-        return {str(k): truncate_strings(v, max_chars) for k, v in value.items()}
+        return {str(k): truncate_strings(v, max_chars, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [truncate_strings(v, max_chars) for v in value[:1000]]
+        return [truncate_strings(v, max_chars, depth + 1) for v in value[:1000]]
     return value
 
 
@@ -151,6 +157,8 @@ def parse_normalised(obj: Any, *, max_chars: int) -> Event:
     for name in ("session_id", "kind"):
         if not obj.get(name):
             raise BadRequest(f"event field '{name}' is required")
+    if obj.get("ts") is not None and not 0 <= obj["ts"] <= LATEST_TS:
+        raise BadRequest(f"event field 'ts' must be a Unix time between 0 and {LATEST_TS:.0f}")
     payload = redact_value(truncate_strings(obj.get("payload") or {}, max_chars))
     assert isinstance(payload, dict)
     agent = str(obj.get("agent") or "script")
@@ -252,7 +260,7 @@ class EventWriter:
             try:
                 await self._commit(batch)
             except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
-                log.error("event commit failed for %d events: %s", size, exc)
+                log.error("could not commit %d event(s); nothing of them was acknowledged: %s", size, exc)
                 for item in batch:
                     if not item.future.done():
                         item.future.set_exception(exc)

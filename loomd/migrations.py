@@ -164,3 +164,68 @@ def m001_initial(db: sqlite3.Connection) -> None:
         CREATE VIRTUAL TABLE memory_vec USING vec0(embedding float[384]);
         """
     )
+
+
+@migration
+def m002_retrieval(db: sqlite3.Connection) -> None:
+    """Hybrid retrieval: an FTS column for session neighbours' text, mixed and 1-bit vectors, recurrence pairs.
+
+    The m001 `memory_vec` vec0 table goes: KNN runs on an in-memory 1-bit index re-ranked from `memory_vectors`
+    (loomd/vectors.py says why), so no vector lives in two places.
+    """
+    run_script(db,
+        """
+        ALTER TABLE memories ADD COLUMN ctx TEXT NOT NULL DEFAULT '';
+        CREATE INDEX memories_session_order ON memories(session_id, created, id);
+
+        DROP TRIGGER memories_ai;
+        DROP TRIGGER memories_ad;
+        DROP TRIGGER memories_au;
+        DROP TABLE memories_fts;
+        CREATE VIRTUAL TABLE memories_fts USING fts5(
+            text, tags, ctx, content='memories', content_rowid='id', tokenize='porter unicode61'
+        );
+        CREATE TRIGGER memories_ai AFTER INSERT ON memories BEGIN
+            INSERT INTO memories_fts(rowid, text, tags, ctx) VALUES (new.id, new.text, new.tags, new.ctx);
+        END;
+        CREATE TRIGGER memories_ad AFTER DELETE ON memories BEGIN
+            INSERT INTO memories_fts(memories_fts, rowid, text, tags, ctx)
+                VALUES ('delete', old.id, old.text, old.tags, old.ctx);
+        END;
+        CREATE TRIGGER memories_au AFTER UPDATE OF text, tags, ctx ON memories BEGIN
+            INSERT INTO memories_fts(memories_fts, rowid, text, tags, ctx)
+                VALUES ('delete', old.id, old.text, old.tags, old.ctx);
+            INSERT INTO memories_fts(rowid, text, tags, ctx) VALUES (new.id, new.text, new.tags, new.ctx);
+        END;
+        INSERT INTO memories_fts(memories_fts) VALUES ('rebuild');
+
+        DROP TABLE memory_vec;
+        ALTER TABLE memory_vectors ADD COLUMN mixed BLOB;
+        ALTER TABLE memory_vectors ADD COLUMN bits BLOB;
+        ALTER TABLE memory_vectors ADD COLUMN raw_bits BLOB;
+        ALTER TABLE memory_vectors ADD COLUMN recurrence INTEGER NOT NULL DEFAULT 0;
+        CREATE INDEX memory_vectors_hash ON memory_vectors(model, content_hash);
+        CREATE TABLE memory_near (
+            a INTEGER NOT NULL,
+            b INTEGER NOT NULL,
+            cosine REAL NOT NULL,
+            PRIMARY KEY (a, b)
+        ) WITHOUT ROWID;
+
+        ALTER TABLE entities ADD COLUMN mentions INTEGER NOT NULL DEFAULT 0;
+        CREATE INDEX entities_name ON entities(name);
+        CREATE INDEX edges_in ON edges(dst_type, dst_id, type, src_type, src_id);
+        """
+    )
+
+
+@migration
+def m003_worker_jobs(db: sqlite3.Connection) -> None:
+    """Worker runs say what started them (interval, event, manual) and carry a JSON detail (sessions, model use)."""
+    run_script(db,
+        """
+        ALTER TABLE jobs ADD COLUMN trigger TEXT;
+        ALTER TABLE jobs ADD COLUMN detail TEXT NOT NULL DEFAULT '{}';
+        CREATE INDEX jobs_outcome ON jobs(outcome) WHERE outcome = 'running';
+        """
+    )

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__, tasks
 from .errors import BadRequest, Busy
-from .ingest import Event, parse_hook, parse_normalised
+from .ingest import LATEST_TS, Event, parse_hook, parse_normalised
 from .memories import SCOPES, fetch_memories, insert_memory, set_archived
 from .project import project_of
 from .protocol import REQUIRED, take_args
-from .retrieval import search_memories
+from .retrieval import evidence, search_memories, timeline
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -54,6 +54,8 @@ class Ops:
             "counts": await self._counts(), "spool_backlog": d.spool.backlog() if d.spool else 0,
             "queue_depth": d.writer.depth, "inflight": len(d.server.inflight) if d.server else 0,
             "embedder": d.embedder_status(), "versions": await d.store.versions(),
+            "tailer": d.tailer.status() if d.tailer else None,
+            "tailers": d.tailer.status() if d.tailer else None,
         }
 
     async def _counts(self) -> dict[str, int]:
@@ -122,7 +124,7 @@ class Ops:
         a = take_args(args, {
             "text": (str, REQUIRED), "kind": (str, "fact"), "scope": (str, "project"), "tags": (list, []),
             "importance": (float, 0.7), "expires": (float, None), "ttl_days": (float, None), "cwd": (str, None),
-            "project": (str, None), "session_id": (str, None),
+            "project": (str, None), "session_id": (str, None), "created": (float, None),
         })
         if a["scope"] not in SCOPES:
             raise BadRequest(f"unknown scope '{a['scope']}'; one of: {', '.join(SCOPES)}")
@@ -130,12 +132,16 @@ class Ops:
             raise BadRequest("'tags' must be a list of strings")
         if not 0.0 <= a["importance"] <= 1.0:
             raise BadRequest("'importance' must be between 0 and 1")
+        for name, top in (("created", LATEST_TS), ("expires", LATEST_TS), ("ttl_days", 365_000.0)):
+            if a[name] is not None and not 0 <= a[name] <= top:
+                raise BadRequest(f"'{name}' must be between 0 and {top:.0f}")
         project = a["project"] or ("user" if a["scope"] == "user" else await project_of(a["cwd"]))
         expires = a["expires"] or (time.time() + a["ttl_days"] * 86400 if a["ttl_days"] else None)
         async with self.d.store.atomic() as db:
             memory_id, is_new = await insert_memory(
                 db, kind=a["kind"], text=a["text"], project=project, scope=a["scope"], tags=a["tags"],
                 importance=a["importance"], expires=expires, session_id=a["session_id"], origin="store",
+                created=a["created"],
             )
             await self.d.after_memory_write(db, [memory_id])
         self.d.memories_changed()
@@ -146,15 +152,41 @@ class Ops:
             "query": (str, REQUIRED), "limit": (int, 10), "mode": (str, "hybrid"), "project": (str, None),
             "cwd": (str, None), "scope": (str, None), "kind": ((str, list), None), "since": (float, None),
             "until": (float, None), "session_id": (str, None), "include_archived": (bool, False),
-            "explain": (bool, False),
+            "explain": (bool, False), "weights": (dict, None), "tuning": (dict, None),
         })
         if not 1 <= a["limit"] <= 200:
             raise BadRequest("'limit' must be between 1 and 200")
         if a["project"] is None and a["cwd"]:
             a["project"] = await project_of(a["cwd"])
         a.pop("cwd")
-        results = await search_memories(self.d.retrieval_context(), **a)
-        return {"results": results, "count": len(results)}
+        report: dict[str, Any] = {}
+        results = await search_memories(self.d.retrieval_context(), **a, report=report)
+        reply = {"results": results, "count": len(results)}
+        if a["explain"] or report.get("notes"):
+            reply.update(report)
+        return reply
+
+    async def handle_timeline(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Memories in time order around one memory (`id`) or naming an `entity`, else the newest."""
+        a = take_args(args, {
+            "id": (int, None), "entity": (str, None), "before": (int, 5), "after": (int, 5), "limit": (int, 20),
+            "project": (str, None), "cwd": (str, None), "scope": (str, None), "kind": ((str, list), None),
+            "since": (float, None), "until": (float, None), "session_id": (str, None),
+            "include_archived": (bool, False),
+        })
+        if not (0 <= a["before"] <= 200 and 0 <= a["after"] <= 200 and 1 <= a["limit"] <= 500):
+            raise BadRequest("'before' and 'after' must be 0-200, 'limit' 1-500")
+        if a["project"] is None and a["cwd"] and a["id"] is None:
+            a["project"] = await project_of(a["cwd"])
+        a.pop("cwd")
+        return await timeline(self.d.store, memory_id=a.pop("id"), **a)
+
+    async def handle_evidence(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A memory's source events with their text (cut at `max_chars`)."""
+        a = take_args(args, {"id": ((int, list), REQUIRED), "max_chars": (int, 600), "limit": (int, 20)})
+        if not (1 <= a["max_chars"] <= 20_000 and 1 <= a["limit"] <= 500):
+            raise BadRequest("'max_chars' must be 1-20000 and 'limit' 1-500")
+        return {"memories": await evidence(self.d.store, _ids(a["id"]), max_chars=a["max_chars"], limit=a["limit"])}
 
     async def handle_detail(self, args: dict[str, Any]) -> dict[str, Any]:
         a = take_args(args, {"id": ((int, list), REQUIRED), "sources": (bool, True)})
@@ -276,3 +308,26 @@ class Ops:
         if a["state"]:
             views = [v for v in views if v["state"] == a["state"]]
         return {"tasks": views}
+
+    async def handle_workers(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The memory workers: last run and outcome, next run, pending triggers; today's model budget."""
+        take_args(args, {})
+        if self.d.scheduler is None:
+            raise Busy("the workers are not started yet")
+        from .distill import BUDGET_CHECKPOINT
+
+        status = await self.d.scheduler.status()
+        raw = await self.d.store.scalar("SELECT value FROM checkpoints WHERE name = ?", (BUDGET_CHECKPOINT,))
+        cfg = self.d.config
+        status["model"] = {"api": cfg.model_api or None, "model": cfg.model_name or None,
+                           "daily_tokens": cfg.model_daily_tokens, "usage": json.loads(raw) if raw else None}
+        return status
+
+    async def handle_workers_run(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Run one worker now (`dry_run`: report what it would write, write nothing); waits for it to finish."""
+        a = take_args(args, {"name": (str, REQUIRED), "session_id": (str, None), "project": (str, None),
+                             "dry_run": (bool, False), "final": (bool, None)})
+        if self.d.scheduler is None:
+            raise Busy("the workers are not started yet")
+        return await self.d.scheduler.run(a["name"], session_id=a["session_id"], project=a["project"],
+                                          dry_run=a["dry_run"], final=a["final"])

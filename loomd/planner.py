@@ -37,7 +37,7 @@ def relevant(item: dict[str, Any], min_score: float) -> bool:
     if isinstance(cosine, int | float):
         return cosine >= min_score or (bool(fts) and cosine >= min_score - 0.15)
     # Full-text only (no embedder): trust only the top keyword hits.
-    return bool(fts) and int(fts.get("rank", 99)) <= 2
+    return isinstance(fts, dict) and int(fts.get("rank", 99)) <= 2
 
 
 class Planner:

@@ -9,6 +9,7 @@ Several requests may be in flight on one connection; replies carry the request i
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,8 @@ def check_length(length: int, limit: int) -> None:
 def decode_body(body: bytes) -> Any:
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        # TypeError: a map key msgpack cannot hash (a list or a map used as a key)
         raise BadRequest(f"frame body is not valid msgpack: {exc}") from exc
 
 
@@ -94,11 +96,18 @@ def _type_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _items(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, list) else ()
+
+
 def take_args(args: dict[str, Any], spec: dict[str, tuple[type | tuple[type, ...], Any]]) -> dict[str, Any]:
     """Validate `args` against `spec` (name -> (type, default or REQUIRED)); unknown names are errors."""
-    unknown = sorted(set(args) - set(spec))
+    unknown = sorted(map(repr, set(args) - set(spec)))  # keys may be of any msgpack type: never compare them
     if unknown:
-        raise BadRequest(f"unknown argument(s): {', '.join(map(str, unknown))}; expected: {', '.join(sorted(spec))}")
+        raise BadRequest(f"unknown argument(s): {', '.join(unknown)[:300]}; expected: {', '.join(sorted(spec))}")
     out: dict[str, Any] = {}
     for name, (kind, default) in spec.items():
         if name not in args or args[name] is None:
@@ -115,5 +124,10 @@ def take_args(args: dict[str, Any], spec: dict[str, tuple[type | tuple[type, ...
             value = float(value)
         if not isinstance(value, kinds):
             raise BadRequest(f"argument '{name}' must be {_type_name(kind)}, got {type(value).__name__}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadRequest(f"argument '{name}' must be a finite number, got {value}")
+        # msgpack carries unsigned 64-bit integers; SQLite stores signed ones.
+        if any(isinstance(v, int) and not _INT64[0] <= v <= _INT64[1] for v in (value, *_items(value))):
+            raise BadRequest(f"argument '{name}' holds an integer outside the signed 64-bit range")
         out[name] = value
     return out

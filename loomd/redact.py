@@ -159,7 +159,7 @@ _DENY_AFTER = frozenset(
         "parser", "helper", "manager", "store", "handler", "callback", "ref", "mask", "visible", "hidden",
         "toggle", "flag", "list", "schema", "template", "example", "stdin", "cmd", "command", "keyring",
         "end", "start", "begin", "response", "resp", "request", "req", "status", "func", "fn", "function",
-        "metadata", "server", "config", "settings", "options",
+        "metadata", "server", "config", "settings", "options", "str",
         "vault", "backend", "bucket", "host", "domain", "realm", "flow", "timestamp",
     }
 )  # fmt: skip
@@ -168,6 +168,7 @@ _DENY_BEFORE_TOKEN = frozenset(
     {
         "special", "pad", "bos", "eos", "unk", "sep", "cls", "mask", "start", "end", "stop", "next", "page",
         "continuation", "cursor", "sync", "added", "image", "audio", "last", "first", "current", "cur", "prev",
+        "per",
     }
 )  # fmt: skip
 # Before `tokens`: LLM usage and limits (`max_tokens`, `input_tokens`).
@@ -186,12 +187,14 @@ _WEAK_WORDS = frozenset({"tokens", "auth", "sig", "signature", "cred", "creds"})
 class _SecretName:
     kind: str
     weak: bool
+    counted: bool  # `token`/`tokens`: a number after it is an id or a count, not a secret
 
 
 @lru_cache(maxsize=4096)
 def _secret_name(name: str) -> _SecretName | None:
     """Classify an identifier such as `DB_PASSWORD`, `apiKey` or `X-Auth-Token`; None if not secret."""
-    segs = [s.lower() for s in _SEGMENT_RE.findall(name)]
+    # Only the last dotted part names the value: `self.password` is secret, `Token.Keyword` is not.
+    segs = [s.lower() for s in _SEGMENT_RE.findall(name.rsplit(".", 1)[-1])]
     hit = -1
     for i, seg in enumerate(segs):
         if seg in _SECRET_EXACT or seg.endswith(_SECRET_SUFFIXES):
@@ -205,7 +208,8 @@ def _secret_name(name: str) -> _SecretName | None:
     if word.endswith(("token", "tokens")) and any(s in deny_before for s in segs[:hit]):
         return None
     aws = "aws" in segs or "secretaccesskey" in segs or ("secret" in segs and "access" in segs)
-    return _SecretName("aws_key" if aws else "env_secret", word in _WEAK_WORDS)
+    counted = word.endswith(("token", "tokens"))
+    return _SecretName("aws_key" if aws else "env_secret", word in _WEAK_WORDS, counted)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +239,11 @@ _ASSIGN_RE = re.compile(
 )
 _PLACEHOLDER_RE = re.compile(
     r"\s*|\$\{?[A-Za-z_][A-Za-z0-9_]*\}?|\$\{\{.*\}\}|\{\{.*\}\}|\$\(.*\)|<[^<>]*>|%\([A-Za-z_]\w*\)s|\*+"
+    r"|\{[A-Za-z_]\w*\}|(?i:your[\s_-].*)|.*(?:\.\.\.|…|(?i:xxxx)).*"
 )
+# `Token: "bold #A3AAB2"`: a colour in a syntax-highlighting style.
+_COLOUR_RE = re.compile(r"(?:[a-z]+ )*#[0-9a-fA-F]{3,8}")
+_REGEX_CHARS = frozenset("\\[]()^$*+?|")
 _CALL_RE = re.compile(r"[A-Za-z_$@][\w.:$@]*!?[(\[]")
 _DOTTED_RE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 _IDENT_RE = re.compile(r"[A-Za-z_]\w*")
@@ -298,6 +306,7 @@ def _keep_value(m: re.Match[str], info: _SecretName, value: str, quoted: bool) -
         return True  # the shell's working directory
     if _URL_VALUE_RE.match(value):
         return True  # a URL; one with a password in it is handled by the URL rule
+    name = m.group("name")
     if quoted:
         start = m.start()
         opener = m.string[start - 1] if start else ""
@@ -305,17 +314,21 @@ def _keep_value(m: re.Match[str], info: _SecretName, value: str, quoted: bool) -
         if opener in "\"'" and not m.group("close") and after_name[:1] == opener:
             # `input("Password: ")`: the name sits inside a string and the "value" quote closes that string.
             return True
-        if "f" in (m.group("pre") or "").lower() and "{" in value:
-            return True  # an f-string: interpolated, not literal
-        return _PLACEHOLDER_RE.fullmatch(value) is not None
-    name = m.group("name")
+        pre = (m.group("pre") or "").lower()
+        if ("f" in pre and "{" in value) or ("r" in pre and not _REGEX_CHARS.isdisjoint(value)):
+            return True  # an f-string is interpolated; a raw string with metacharacters is a regex
+        if value.lower() in (name.rsplit(".", 1)[-1].lower(), "true", "false", "null", "none", "yes", "no"):
+            return True  # `EXPIRED_TOKEN = "expired_token"`, `"...-Credentials": "true"`
+        if len(value.split()) >= 4 and not info.weak and "passphrase" not in name.lower():
+            return True  # prose: a help text or a description under a secret-named key
+        return _PLACEHOLDER_RE.fullmatch(value) is not None or _COLOUR_RE.fullmatch(value) is not None
     bare = value.rstrip(".,:;")
     if value[0] in "[{($%" or bare.lower() in _CODE_WORDS or _PLACEHOLDER_RE.fullmatch(value):
         return True
     if _CALL_RE.match(value) or _DOTTED_RE.fullmatch(bare):
         return True  # a call, a subscript or an attribute: `tokenize(x)`, `os.environ[`, `self.token`
-    if _NUMBER_RE.fullmatch(bare) and (info.weak or len(bare) <= 3):
-        return True  # `tokens: 4096`, `token = 0`
+    if _NUMBER_RE.fullmatch(bare) and (info.weak or info.counted or len(bare) <= 3):
+        return True  # `tokens: 4096`, `token=11098`, `secret = 0`
     if not _IDENT_RE.fullmatch(bare):
         return False
     # From here the value is a bare word: a variable in code, a literal in .env, YAML or INI files.
@@ -325,15 +338,22 @@ def _keep_value(m: re.Match[str], info: _SecretName, value: str, quoted: bool) -
         return True  # `api_key=api_key`, `previous_token = token`, `password = password_input`
     if m.group("close") and sep == ":":
         return True  # `{"password": password}`: JSON never has bare words, so this is code
+    if any(c.isdigit() for c in value):
+        return False  # digits suggest a password, not a variable
     following = m.string[m.end() : m.end() + 16]
-    if following.lstrip(" \t")[:1] in (",", ")", "`"):
-        return True  # arguments, a tuple, a dict or rST: `f(password=pw, ...)`, `sig: Signature,`, `pass :meth:`
-    if any(c.isdigit() for c in value) or not any(c.islower() for c in name):
-        return False  # digits suggest a password; an upper-case name is an environment variable
+    after = following.lstrip(" \t")[:1]
+    if after in (",", ")", "`") or (after == "|" and sep == ":"):
+        # arguments, a tuple, a dict, a type union or rST: `f(password=pw, ...)`, `key: Key | None`, `pass :meth:`
+        return True
+    spaced = sep == "=" and m.group("sep") != "="
+    if spaced and _ENV_NAME_RE.fullmatch(bare):
+        return True  # `N_PER_TOKEN = HOP_LENGTH`: a constant assigned from another
+    if not any(c.islower() for c in name):
+        return False  # an upper-case name is an environment variable: `DB_PASSWORD: example`
     # `[` may be a marker a later rule put where a word was, so it counts as a word for a second pass.
     if sep == ":" and value == bare and following[:1] == " " and (following[1:2].isalpha() or following[1:2] == "["):
         return True  # prose or a docstring: `token: The access token to verify.`
-    if sep == "=" and m.group("sep") != "=":
+    if spaced:
         return True  # PEP 8 spacing: `token = Comment` is code (an INI `password = word` is missed)
     # `password=pw_input` as a keyword argument, but `db_password=my_pw` starting a line is .env
     code_like = "_" in bare or (bare[0].islower() and _CAMEL_RE.search(bare) is not None)
@@ -372,10 +392,14 @@ def _replace_cli_flag(m: re.Match[str]) -> str:
         return m.group(0)
     if _PLACEHOLDER_RE.fullmatch(stripped) or stripped[0] in "$%{<[" or not _plausible_secret(stripped):
         return m.group(0)  # `--password "$PW"`, or prose: `the --password option`
+    if _ENV_NAME_RE.fullmatch(stripped):
+        return m.group(0)  # `--secrets HF_TOKEN` names a variable
     start = m.start("value")
     quote = value[0] if value[0] in "'\"" else ""
     return m.group(0)[: start - m.start()] + quote + _marker("cli_password") + quote
 
+
+_ENV_NAME_RE = re.compile(r"[A-Z][A-Z0-9]*_[A-Z0-9_]+")
 
 # `curl -u user:pass`, `mysql -pSECRET`, `sshpass -p SECRET`
 _CLI_USERPASS_RE = re.compile(r"(?<!\S)(?:-u|--user)[ \t]++[\"']?[^\s:\"'\[]++:(?P<pw>[^\s\"']++)")
@@ -556,6 +580,11 @@ _TOKEN_SPECS: tuple[tuple[str, str, tuple[str, ...], Callable[[str], bool] | Non
     ("npm_token", r"(?<![A-Za-z0-9_])npm_[A-Za-z0-9]{36,}+(?![A-Za-z0-9_])", ("npm_",), None),
     ("huggingface_token", r"(?<![A-Za-z0-9_])hf_[A-Za-z0-9]{30,}+(?![A-Za-z0-9_])", ("hf_",), _mixed_case),
     ("pypi_token", r"(?<![A-Za-z0-9_\-])pypi-AgE[A-Za-z0-9_\-]{50,}+", ("pypi-",), None),
+    # Prefixed vendor tokens whose body is plain hex (so the mixed-case checks above and below never see them).
+    ("openrouter_key", r"(?<![A-Za-z0-9_\-])sk-or-v1-[0-9a-f]{64}(?![0-9a-f])", ("sk-or-v1-",), None),
+    ("vendor_token", r"(?<![A-Za-z0-9_\-])(?:shp(?:at|ss|ca|pa)_[0-9a-fA-F]{32}|do[opr]_v1_[0-9a-f]{64}"
+     r"|dapi[0-9a-f]{32}|key-[0-9a-f]{32}|NRAK-[A-Z0-9]{27}|PMAK-[0-9a-f]{24}-[0-9a-f]{34})(?![0-9A-Za-z])",
+     ("shpat_", "shpss_", "shpca_", "shppa_", "_v1_", "dapi", "key-", "nrak-", "pmak-"), None),
     ("aws_key", r"(?<![A-Z0-9])(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Z0-9])",
      ("akia", "asia", "abia", "acca", "a3t"), None),
     ("jwt", r"(?<![A-Za-z0-9_\-])eyJ[A-Za-z0-9_\-]{5,}+\.[A-Za-z0-9_\-]{5,}+\.[A-Za-z0-9_\-]*+", ("eyj",), None),

@@ -1,28 +1,57 @@
-"""Search over memories: filters, signals and their fusion."""
+"""Search over memories: filters, the five signals, their fusion; and the timeline and evidence views.
+
+Signals, each usable alone (`weights`), fused by weighted reciprocal rank fusion (fusion.py):
+- fts: FTS5 BM25 over the text, the tags and (down-weighted) the session neighbours' text; user text is quoted
+  term by term, never FTS syntax;
+- vec: KNN over neighbour-mixed vectors (semantic.py, vectors.py);
+- graph: memories that mention the query's entities, by summed idf (one hop over `mentions`);
+- recency: newest first, and recurrence: what keeps coming back across sessions first. Both only reorder what
+  fts and vec found (alone they would push the same memories into every answer); used without those, they rank
+  every memory that passes the filters.
+"""
 
 from __future__ import annotations
 
-import re
+import json
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import BadRequest
+from .entities import extract_entities
+from .errors import BadRequest, NotFound
+from .fusion import CANDIDATES, CONTEXT_WEIGHT, DEFAULT_WEIGHTS, RRF_K, score_by_entities, weighted_rrf
+from .fusion import fts_query as fts_query
+from .ingest import Event, event_text
 from .memories import memory_dict
 from .store import Store
+from .vectors import PREFILTER
+
+if TYPE_CHECKING:
+    from .semantic import VectorService
 
 MODES = ("keyword", "semantic", "hybrid")
-_WORD = re.compile(r"\w+", re.UNICODE)
-
-
-def fts_query(text: str) -> str:
-    """OR of quoted terms: user text never becomes FTS5 syntax (NOT, NEAR, quotes, columns stay plain words)."""
-    terms = [t for t in _WORD.findall(text.lower()) if len(t) > 1 or t.isdigit()]
-    return " OR ".join(f'"{t}"' for t in dict.fromkeys(terms))
+SIGNALS = ("fts", "vec", "graph", "recency", "recurrence")
+MODE_WEIGHTS: dict[str, dict[str, float]] = {
+    "keyword": {"fts": 1.0}, "semantic": {"vec": 1.0}, "hybrid": dict(DEFAULT_WEIGHTS),
+}
+# Knobs a benchmark (or a curious user) may turn per search: name -> (type, default, lowest, highest).
+TUNING: dict[str, tuple[type, Any, float, float]] = {
+    "ctx_weight": (float, CONTEXT_WEIGHT, 0.0, 10.0),  # BM25 weight of the neighbours' column; 0 = plain text
+    "rrf_k": (int, RRF_K, 0, 1000),
+    "candidates": (int, CANDIDATES, 1, 1000),  # per signal
+    "mixed": (bool, True, 0, 1),  # KNN over neighbour-mixed vectors (else the raw ones)
+    "prefilter": (int, PREFILTER, 1, 100_000),  # 1-bit candidates re-ranked with float vectors
+}
+# An entity named in more memories than this is read only this far (newest first); its idf stays exact.
+GRAPH_POSTINGS = 5000
 
 
 @dataclass
 class SearchContext:
     store: Store
+    vectors: VectorService | None = None
+    half_life_days: float = 30.0
 
 
 def _filters(
@@ -58,27 +87,280 @@ def _filters(
     return (" AND ".join(clauses) or "1"), params
 
 
+def resolve_weights(mode: str, weights: Mapping[str, Any] | None) -> dict[str, float]:
+    """The mode's signal weights with the caller's overrides; 0 turns a signal off."""
+    if mode not in MODES:
+        raise BadRequest(f"unknown mode '{mode}'; one of: {', '.join(MODES)}")
+    out = dict(MODE_WEIGHTS[mode])
+    for name, value in (weights or {}).items():
+        if name not in SIGNALS:
+            raise BadRequest(f"unknown signal '{name}' in 'weights'; one of: {', '.join(SIGNALS)}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
+            raise BadRequest(f"weight of '{name}' must be a number from 0 to 100")
+        out[name] = float(value)
+    return {name: w for name, w in out.items() if w > 0}
+
+
+def resolve_tuning(tuning: Mapping[str, Any] | None) -> dict[str, Any]:
+    out = {name: spec[1] for name, spec in TUNING.items()}
+    for name, value in (tuning or {}).items():
+        if name not in TUNING:
+            raise BadRequest(f"unknown tuning '{name}'; one of: {', '.join(TUNING)}")
+        kind, _, low, high = TUNING[name]
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise BadRequest(f"tuning '{name}' must be true or false")
+        elif isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high \
+                or (kind is int and value != int(value)):
+            what = "an integer" if kind is int else "a number"
+            raise BadRequest(f"tuning '{name}' must be {what} from {low} to {high}")
+        out[name] = kind(value)
+    return out
+
+
+# --- the signals ---------------------------------------------------------------------------------------------------
+
+
+async def fts_signal(
+    store: Store, query: str, where: str, params: Sequence[Any], n: int, ctx_weight: float,
+) -> list[tuple[int, float]]:
+    """BM25 over text, tags and the neighbours' column (weighted ctx_weight; 0 leaves the column out)."""
+    match = fts_query(query)
+    if not match:
+        return []
+    if ctx_weight == 0:
+        match = "{text tags} : (" + match + ")"
+    rows = await store.fetchall(
+        f"SELECT m.id, bm25(memories_fts, 1.0, 1.0, {float(ctx_weight)!r}) AS score FROM memories_fts"
+        f" JOIN memories m ON m.id = memories_fts.rowid WHERE memories_fts MATCH ? AND {where}"
+        " ORDER BY score, m.id LIMIT ?", [match, *params, n])
+    return [(r[0], -r[1]) for r in rows]
+
+
+async def graph_signal(
+    store: Store, query: str, where: str, params: Sequence[Any], project: str | None, n: int,
+) -> list[tuple[int, float]]:
+    """Memories that mention the query's entities, by summed idf over the memories searched."""
+    names = list(dict.fromkeys(name for name, _ in extract_entities(query)))
+    if not names:
+        return []
+    marks = ",".join("?" * len(names))
+    sql = f"SELECT id, name, mentions FROM entities WHERE name IN ({marks})"
+    args: list[Any] = list(names)
+    if project:
+        sql += " AND project IN (?, 'user')"
+        args.append(project)
+    entities = await store.fetchall(sql, args)
+    if not entities:
+        return []
+    postings: dict[str, set[int]] = {}
+    df: dict[str, int] = {}
+    for entity_id, name, mentions in entities:
+        rows = await store.fetchall(
+            "SELECT e.src_id FROM edges e JOIN memories m ON m.id = e.src_id WHERE e.dst_type = 'entity'"
+            f" AND e.dst_id = ? AND e.type = 'mentions' AND e.src_type = 'memory' AND {where}"
+            " ORDER BY e.src_id DESC LIMIT ?", [entity_id, *params, GRAPH_POSTINGS])
+        postings.setdefault(name, set()).update(r[0] for r in rows)
+        if len(rows) == GRAPH_POSTINGS:
+            df[name] = df.get(name, 0) + max(mentions, GRAPH_POSTINGS)
+    for name in postings:
+        df.setdefault(name, len(postings[name]))
+    total = await store.scalar(f"SELECT count(*) FROM memories m WHERE {where}", params)
+    return score_by_entities(names, postings, int(total or 0), df)[:n]
+
+
+# --- search --------------------------------------------------------------------------------------------------------
+
+
 async def search_memories(
     ctx: SearchContext, *, query: str, limit: int = 10, mode: str = "hybrid", project: str | None = None,
     scope: str | None = None, kind: str | list[str] | None = None, since: float | None = None,
     until: float | None = None, session_id: str | None = None, include_archived: bool = False, explain: bool = False,
+    weights: Mapping[str, Any] | None = None, tuning: Mapping[str, Any] | None = None,
+    report: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    if mode not in MODES:
-        raise BadRequest(f"unknown mode '{mode}'; one of: {', '.join(MODES)}")
+    """Fused search. `report`, when given, receives per-stage timings (ms) and notes on signals that could not run."""
+    started = time.perf_counter()
+    active = resolve_weights(mode, weights)
+    knobs = resolve_tuning(tuning)
     where, params = _filters(project, scope, kind, since, until, session_id, include_archived)
-    match = fts_query(query)
-    if not match:
-        return []
-    rows = await ctx.store.fetchall(
-        f"SELECT m.*, bm25(memories_fts) AS score FROM memories_fts JOIN memories m ON m.id = memories_fts.rowid"
-        f" WHERE memories_fts MATCH ? AND {where} ORDER BY score, m.id LIMIT ?",
-        [match, *params, limit],
-    )
+    n = knobs["candidates"]
+    timings: dict[str, float] = {}
+    notes: list[str] = []
+    scored: dict[str, list[tuple[int, float]]] = {}
+
+    if "fts" in active:
+        t = time.perf_counter()
+        scored["fts"] = await fts_signal(ctx.store, query, where, params, n, knobs["ctx_weight"])
+        timings["fts_ms"] = _ms(t)
+    if "vec" in active:
+        vectors = ctx.vectors
+        found = None
+        if vectors is not None:
+            found = await vectors.knn(query, k=n, where=where, params=params,
+                                      projects=[project] if project else None, mixed=knobs["mixed"],
+                                      prefilter=knobs["prefilter"], timings=timings)
+        if found is None:
+            state = vectors.status() if vectors is not None else {"state": "off"}
+            why = f"{state['state']}: {state['error']}" if state.get("error") else state["state"]
+            notes.append(f"vec: no vectors to search (embedder {why})")
+        scored["vec"] = found or []
+    if "graph" in active:
+        t = time.perf_counter()
+        scored["graph"] = await graph_signal(ctx.store, query, where, params, project, n)
+        timings["graph_ms"] = _ms(t)
+
+    # The pool recency and recurrence reorder: what the relevance signals found.
+    pool = {i for name in ("fts", "vec") for i, _ in scored.get(name, [])}
+    if not pool and "fts" not in active and "vec" not in active:
+        pool = {i for i, _ in scored.get("graph", [])}
+    t = time.perf_counter()
+    if "recency" in active or "recurrence" in active:
+        if not ({"fts", "vec", "graph"} & set(active)):
+            pool = await _prior_pool(ctx.store, where, params, n, active)
+        facts = await _facts(ctx.store, pool)
+        now = time.time()
+        half_life = max(ctx.half_life_days, 1e-6) * 86400
+        if "recency" in active:
+            newest = sorted(pool, key=lambda i: (-facts[i][0], -i))
+            scored["recency"] = [(i, round(0.5 ** (max(0.0, now - facts[i][0]) / half_life), 6)) for i in newest]
+        if "recurrence" in active:
+            recurring = sorted((i for i in pool if facts[i][1] > 0), key=lambda i: (-facts[i][1], i))
+            scored["recurrence"] = [(i, float(facts[i][1])) for i in recurring]
+    fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, active, knobs["rrf_k"])[:limit]
+    rows = await ctx.store.fetchall("SELECT m.* FROM memories m WHERE m.id IN (SELECT value FROM json_each(?))",
+                                    [json.dumps([f[0] for f in fused])])
+    by_id = {row["id"]: row for row in rows}
+    raw = {s: dict(items) for s, items in scored.items()}
     results = []
-    for rank, row in enumerate(rows, start=1):
-        item = memory_dict(row)
-        item["score"] = -row["score"]
+    for memory_id, score, parts in fused:
+        if memory_id not in by_id:
+            continue
+        item = memory_dict(by_id[memory_id])
+        item["score"] = round(score, 6)
         if explain:
-            item["explain"] = {"fts": {"rank": rank, "score": -row["score"]}}
+            item["explain"] = {
+                s: {"rank": rank, "score": round(raw[s][memory_id], 6), "contribution": round(part, 6)}
+                for s, (rank, part) in sorted(parts.items())
+            }
         results.append(item)
+    timings["fuse_ms"] = _ms(t)
+    timings["total_ms"] = _ms(started)
+    if report is not None:
+        report["timings"] = timings
+        report["weights"] = active
+        if notes:
+            report["notes"] = notes
     return results
+
+
+def _ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
+
+
+async def _facts(store: Store, ids: set[int]) -> dict[int, tuple[float, int]]:
+    if not ids:
+        return {}
+    rows = await store.fetchall(
+        "SELECT m.id, m.created, coalesce(v.recurrence, 0) FROM memories m LEFT JOIN memory_vectors v"
+        " ON v.memory_id = m.id WHERE m.id IN (SELECT value FROM json_each(?))", [json.dumps(sorted(ids))])
+    return {r[0]: (float(r[1]), int(r[2])) for r in rows}
+
+
+async def _prior_pool(store: Store, where: str, params: Sequence[Any], n: int, active: Mapping[str, float]) -> set[int]:
+    """Recency or recurrence alone: the newest and the most recurring memories that pass the filters."""
+    pool: set[int] = set()
+    if "recency" in active:
+        rows = await store.fetchall(
+            f"SELECT m.id FROM memories m WHERE {where} ORDER BY m.created DESC, m.id DESC LIMIT ?", [*params, n])
+        pool.update(r[0] for r in rows)
+    if "recurrence" in active:
+        rows = await store.fetchall(
+            f"SELECT m.id FROM memories m JOIN memory_vectors v ON v.memory_id = m.id WHERE v.recurrence > 0"
+            f" AND {where} ORDER BY v.recurrence DESC, m.id LIMIT ?", [*params, n])
+        pool.update(r[0] for r in rows)
+    return pool
+
+
+# --- timeline and evidence -----------------------------------------------------------------------------------------
+
+
+async def timeline(
+    store: Store, *, memory_id: int | None = None, entity: str | None = None, before: int = 5, after: int = 5,
+    limit: int = 20, project: str | None = None, scope: str | None = None, kind: str | list[str] | None = None,
+    since: float | None = None, until: float | None = None, session_id: str | None = None,
+    include_archived: bool = False,
+) -> dict[str, Any]:
+    """Memories in time order: around one memory (`before`/`after` it), or those naming an entity (the newest
+    `limit`), or simply the newest `limit`; every filter of search applies."""
+    anchor = None
+    if memory_id is not None:
+        anchor = await store.fetchone("SELECT * FROM memories WHERE id = ?", (memory_id,))
+        if anchor is None:
+            raise NotFound(f"no memory with id {memory_id}")
+        project = project or anchor["project"]
+    where, params = _filters(project, scope, kind, since, until, session_id, include_archived)
+    if anchor is not None:
+        created, aid = anchor["created"], anchor["id"]
+        earlier = await store.fetchall(
+            f"SELECT m.* FROM memories m WHERE {where} AND (m.created < ? OR (m.created = ? AND m.id < ?))"
+            " ORDER BY m.created DESC, m.id DESC LIMIT ?", [*params, created, created, aid, before])
+        later = await store.fetchall(
+            f"SELECT m.* FROM memories m WHERE {where} AND (m.created > ? OR (m.created = ? AND m.id > ?))"
+            " ORDER BY m.created, m.id LIMIT ?", [*params, created, created, aid, after])
+        rows = [*reversed(earlier), anchor, *later]
+    elif entity is not None:
+        name = entity.strip().lower()
+        rows = list(reversed(await store.fetchall(
+            "SELECT DISTINCT m.* FROM entities n JOIN edges e ON e.dst_type = 'entity' AND e.dst_id = n.id"
+            " AND e.type = 'mentions' AND e.src_type = 'memory' JOIN memories m ON m.id = e.src_id"
+            f" WHERE n.name = ? AND {where} ORDER BY m.created DESC, m.id DESC LIMIT ?", [name, *params, limit])))
+    else:
+        rows = list(reversed(await store.fetchall(
+            f"SELECT m.* FROM memories m WHERE {where} ORDER BY m.created DESC, m.id DESC LIMIT ?", [*params, limit])))
+    items = []
+    for row in rows:
+        item = memory_dict(row)
+        if anchor is not None and row["id"] == anchor["id"]:
+            item["anchor"] = True
+        items.append(item)
+    return {"memories": items, "count": len(items), "anchor": memory_id, "entity": entity}
+
+
+async def evidence(store: Store, ids: Sequence[int], *, max_chars: int = 600, limit: int = 20) -> list[dict[str, Any]]:
+    """Each memory with the source events it was made from: their kind, time and text, cut at `max_chars`."""
+    marks = ",".join("?" * len(ids))
+    found = {r["id"]: r for r in await store.fetchall(f"SELECT * FROM memories WHERE id IN ({marks})", ids)}
+    missing = [i for i in ids if i not in found]
+    if missing:
+        raise NotFound(f"no memory with id {', '.join(map(str, missing))}")
+    out = []
+    for memory_id in ids:
+        row = found[memory_id]
+        events = await store.fetchall(
+            "SELECT e.* FROM memory_sources s JOIN events e ON e.id = s.event_id WHERE s.memory_id = ?"
+            " ORDER BY e.ts, e.id LIMIT ?", (memory_id, limit))
+        total = await store.scalar("SELECT count(*) FROM memory_sources WHERE memory_id = ?", (memory_id,))
+        item = {k: row[k] for k in ("id", "kind", "text", "project", "session_id", "created", "archived_at")}
+        item["events"] = [_event_view(e, max_chars) for e in events]
+        item["events_total"] = int(total or 0)
+        out.append(item)
+    return out
+
+
+def _event_view(row: Any, max_chars: int) -> dict[str, Any]:
+    try:
+        payload = json.loads(row["payload"])
+    except ValueError:
+        payload = {"text": row["payload"]}
+    if not isinstance(payload, dict):
+        payload = {"text": json.dumps(payload)}
+    event = Event(key=row["key"], agent=row["agent"], session_id=row["session_id"], kind=row["kind"],
+                  source=row["source"], ts=row["ts"], payload=payload, tool_name=row["tool_name"])
+    text = event_text(event) or json.dumps(payload, ensure_ascii=False)
+    return {
+        "id": row["id"], "kind": row["kind"], "agent": row["agent"], "session_id": row["session_id"],
+        "ts": row["ts"], "tool_name": row["tool_name"], "text": text[:max_chars],
+        "truncated": len(text) > max_chars, "chars": len(text),
+    }
+

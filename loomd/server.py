@@ -16,6 +16,8 @@ from .errors import FrameTooLarge, LoomdError, UnknownOp
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
+# Health probes answer even under overload, so `loom status` can say why the daemon is busy.
+PROBES = frozenset({"ping", "status"})
 
 
 def peer_uid(sock: socket.socket) -> int | None:
@@ -141,7 +143,7 @@ class Server:
             rid = protocol.request_id(message)
             request = protocol.parse_request(message)
             self.requests += 1
-            if len(self.inflight) > self.max_inflight:
+            if len(self.inflight) > self.max_inflight and request.op not in PROBES:
                 reply = protocol.error_reply(rid, "busy", "too many requests in flight; retry or spool")
             else:
                 handler = self.handlers.get(request.op)

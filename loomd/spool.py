@@ -13,11 +13,34 @@ import msgpack
 import watchfiles
 
 from .errors import BadRequest, LoomdError
+from .redact import redact_text, redact_value
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".msgpack"
 RETRY_S = 5.0
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {str(_text(k)): _text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_text(v) for v in value]
+    return value
+
+
+def redacted_copy(data: bytes) -> bytes:
+    """The spool file's map with every secret redacted (raw bytes as text), or its bytes as redacted text."""
+    try:
+        value: Any = _text(msgpack.unpackb(data, raw=False, strict_map_key=False))
+    except (ValueError, TypeError, RecursionError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        value = data.decode("utf-8", "replace")
+    try:
+        return msgpack.packb(redact_value(value), use_bin_type=True)
+    except (ValueError, TypeError, RecursionError):
+        return msgpack.packb(redact_text(repr(value)), use_bin_type=True)
 
 
 class Spool:
@@ -61,8 +84,9 @@ class Spool:
                     args.pop("deadline_ms", None)
                     args.pop("sent_at", None)
                     await self.ingest(args)
-                except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, BadRequest) as exc:
-                    self._move_aside(path, str(exc))
+                except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+                        BadRequest) as exc:
+                    self._move_aside(path, str(exc), data)
                     continue
                 except LoomdError as exc:
                     log.warning("spool replay paused at %s: %s", path.name, exc)
@@ -74,11 +98,13 @@ class Spool:
             log.info("replayed %d spooled event(s)", done)
         return done
 
-    def _move_aside(self, path: Path, why: str) -> None:
+    def _move_aside(self, path: Path, why: str, data: bytes) -> None:
+        """Keep a file the daemon cannot ingest for inspection, redacted: the shim spooled the agent's raw bytes."""
         self.rejected.mkdir(exist_ok=True, mode=0o700)
-        path.rename(self.rejected / path.name)
+        (self.rejected / path.name).write_bytes(redacted_copy(data))
+        path.unlink(missing_ok=True)
         self.moved_aside += 1
-        log.warning("moved corrupt spool file %s aside to %s: %s", path.name, self.rejected, why[:200])
+        log.warning("moved corrupt spool file %s aside to %s: %s", path.name, self.rejected, redact_text(why)[:200])
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Replay at start, on every new file, and every few seconds while a backlog remains."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sqlite3
@@ -17,6 +18,14 @@ from .errors import ExtensionError, StorageError
 from .migrations import MIGRATIONS
 
 log = logging.getLogger(__name__)
+
+try:  # sqlean.py raises its own exception classes, not sqlite3's: every handler must name both
+    import sqlean as _sqlean
+
+    DB_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, _sqlean.Error)
+except ImportError:  # connect_sync says what is missing
+    DB_ERRORS = (sqlite3.Error,)
+KEEP_IT = "loomd will not overwrite it; move it aside (or restore a backup) to start afresh"
 
 EXTENSION_HELP = (
     "loomd needs an SQLite driver that can load extensions (for sqlite-vec). "
@@ -81,20 +90,32 @@ def open_checked(path: Path, *, busy_timeout_ms: int = 5000) -> sqlite3.Connecti
         if existed:
             result = conn.execute("PRAGMA quick_check").fetchone()[0]
             if result != "ok":
-                raise StorageError(f"database {path} failed its integrity check: {result}")
+                detail = " ".join(str(result).split())[:300]
+                raise StorageError(f"database {path} failed its integrity check ({detail}); {KEEP_IT}")
         conn.execute("PRAGMA journal_mode = WAL")
         # FULL: an acknowledged event must survive a power cut, not only a crash; group commit pays for it.
         conn.execute("PRAGMA synchronous = FULL")
         migrate(conn)
-    except sqlite3.DatabaseError as exc:
+    except DB_ERRORS as exc:
         conn.close()
-        raise StorageError(
-            f"database {path} cannot be used: {exc}. loomd will not overwrite it; move it aside to start afresh"
-        ) from exc
+        raise StorageError(f"database {path} cannot be used ({exc}); {KEEP_IT}") from exc
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+_HINTS = {"SQLITE_IOERR": "is the disk full, or a file-size limit reached?", "SQLITE_FULL": "the disk is full",
+          "SQLITE_BUSY": "another process holds the database lock", "SQLITE_READONLY": "the file is not writable"}
+
+
+def describe(exc: BaseException) -> str:
+    """`database is locked [SQLITE_BUSY: another process holds the database lock]`: message, error name, hint."""
+    name = getattr(exc, "sqlite_errorname", None)
+    if not name:
+        return str(exc)
+    hint = next((h for prefix, h in _HINTS.items() if name.startswith(prefix)), "")
+    return f"{exc} [{name}{': ' + hint if hint else ''}]"
 
 
 class Store:
@@ -108,7 +129,9 @@ class Store:
 
     @classmethod
     async def open(cls, path: Path, *, busy_timeout_ms: int = 5000) -> Store:
-        writer = aiosqlite.Connection(lambda: open_checked(path, busy_timeout_ms=busy_timeout_ms), 64)
+        # Open and check on a plain thread: a refused file then leaves no aiosqlite worker thread behind.
+        conn = await asyncio.to_thread(open_checked, path, busy_timeout_ms=busy_timeout_ms)
+        writer = aiosqlite.Connection(lambda: conn, 64)
         await writer
         reader = aiosqlite.Connection(lambda: connect_sync(path, busy_timeout_ms=busy_timeout_ms), 64)
         try:
@@ -128,14 +151,20 @@ class Store:
     async def atomic(self) -> AsyncIterator[aiosqlite.Connection]:
         """One write transaction at a time; rolled back on any exception, cancellation included."""
         async with self._write_lock:
-            await self.writer.execute("BEGIN IMMEDIATE")
+            try:
+                await self.writer.execute("BEGIN IMMEDIATE")
+            except DB_ERRORS as exc:
+                raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
             try:
                 yield self.writer
-            except BaseException:
-                await asyncio.shield(self.writer.execute("ROLLBACK"))
-                raise
-            else:
                 await self.writer.execute("COMMIT")
+            except BaseException as exc:
+                # SQLite may already have rolled back (a full disk, an I/O error): that ROLLBACK error is noise.
+                with contextlib.suppress(*DB_ERRORS):
+                    await asyncio.shield(self.writer.execute("ROLLBACK"))
+                if isinstance(exc, DB_ERRORS):
+                    raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
+                raise
 
     async def fetchall(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
         async with self.reader.execute(sql, tuple(params)) as cur:

@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import errno
 import json
 import logging
 import os
 import re
 import sqlite3
+import stat
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -189,6 +191,13 @@ def _parse(obj: dict[str, Any], fmt: Format, state: CodexState) -> list[Transcri
     return parse_codex_line(obj, state) if fmt == "codex" else parse_claude_line(obj)
 
 
+def _takes_over(known: Follower, session_id: str, role: Role) -> bool:
+    """Whether a hook naming an already followed file changes whose file it is (a Codex rollout, a moved session)."""
+    if role != "main" or known.role == "subagent" or not session_id:
+        return False
+    return known.role != "main" or known.session_id != session_id
+
+
 def _normalise(path: str) -> str:
     return os.path.normpath(path)
 
@@ -257,7 +266,7 @@ class Tailer:
             path = os.path.join(cwd, path)
         key = _normalise(path)
         known = self.followers.get(key)
-        if known is not None and known.session_id == session_id and (known.role == role or role == "subagent"):
+        if known is not None and not _takes_over(known, session_id, role):
             if known.cwd is None:
                 known.cwd = cwd
             return
@@ -267,8 +276,9 @@ class Tailer:
     async def _add(self, req: Request) -> None:
         known = self.followers.get(req.key)
         if known is not None:
-            if req.session_id and known.session_id != req.session_id and req.role == "main":
-                log.info("%s now belongs to session %s (was %s)", req.key, req.session_id, known.session_id)
+            if _takes_over(known, req.session_id, req.role):
+                log.info("%s now belongs to session %s (was %s, %s)", req.key, req.session_id,
+                         known.session_id or "?", known.role)
                 known.session_id, known.role = req.session_id, "main"
             return
         if not req.key.endswith(SUFFIXES):
@@ -278,8 +288,7 @@ class Tailer:
             return
         f = Follower(key=req.key, session_id=req.session_id, role=req.role, hint=req.hint, cwd=req.cwd,
                      agent_id=req.agent_id)
-        if f.role == "codex":
-            f.codex = _codex_state_for(f.path)
+        f.codex = _codex_state_for(f.path)
         row = await self.store.fetchone("SELECT value FROM checkpoints WHERE name = ?", (f"tail:{f.key}",))
         if row is not None:
             self._apply_checkpoint(f, row[0])
@@ -315,13 +324,13 @@ class Tailer:
             f.offset, f.ino = 0, None
 
     async def _resume(self) -> None:
-        """Pick up where the last run stopped: recent checkpoints and sessions, then the Codex folder."""
+        """Pick up where the last run stopped: recent checkpoints, then sessions (the Codex scan follows)."""
         since = time.time() - RESUME_DAYS * 86400
         for name, value in await self.store.fetchall(
                 "SELECT name, value FROM checkpoints WHERE name LIKE 'tail:%' AND updated > ?", (since,)):
             try:
                 data = json.loads(value)
-                role = data["role"] if data.get("role") in ("main", "subagent", "codex") else "main"
+                role: Role = data["role"] if data.get("role") in ("main", "subagent", "codex") else "main"
                 req = Request(name[len("tail:"):], str(data.get("session_id") or ""), role,
                               str(data.get("hint") or "claude"), data.get("cwd"), data.get("agent_id"))
             except (ValueError, TypeError, KeyError, AttributeError):
@@ -371,6 +380,9 @@ class Tailer:
             if isinstance(st, OSError):
                 self._fail(f, f"cannot stat {f.key}: {st.strerror or st}")
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                self._fail(f, f"cannot read {f.key}: not a regular file")
+                continue
             if f.missing_since is not None:
                 if f.seen:
                     log.info("%s is back; reading it again", f.key)
@@ -384,6 +396,9 @@ class Tailer:
                 except Busy:
                     log.debug("event writer busy; %s waits for the next pass", f.key)
                     break
+                except Exception as exc:  # noqa: BLE001 - one odd file must not stop every other follower
+                    log.exception("unexpected failure following %s", f.key)
+                    self._fail(f, f"unexpected failure following {f.key}: {exc!r}")
         self._retire_idle(now)
         await self._update_watch_target()
         self.passes += 1
@@ -421,11 +436,14 @@ class Tailer:
     def _read_chunk(self, f: Follower) -> Chunk:
         """In a thread: the next batch of events after `f.offset`. Does not touch `f`."""
         st = os.stat(f.key)
+        if not stat.S_ISREG(st.st_mode):
+            # A folder or a FIFO under a transcript's name: opening a FIFO would block a worker thread for good.
+            raise OSError(errno.EINVAL, "not a regular file")
         offset, state, fmt = f.offset, copy.deepcopy(f.codex), f.fmt
         if (f.ino is not None and st.st_ino != f.ino) or st.st_size < offset:
             log.info("%s was replaced or truncated; reading it again from the start", f.key)
             offset = 0
-            state = _codex_state_for(f.path) if f.role == "codex" else CodexState()
+            state = _codex_state_for(f.path)
         chunk = Chunk([], offset, st.st_ino, fmt, state)
         if st.st_size == offset:
             return chunk
@@ -519,15 +537,19 @@ class Tailer:
         def idle(f: Follower) -> bool:
             return now - f.active > self.idle_retire_s
 
+        subagents: dict[str, list[Follower]] = {}
+        for f in self.followers.values():
+            if f.role == "subagent":
+                subagents.setdefault(f.session_id, []).append(f)
         mains = {f.session_id for f in self.followers.values() if f.role == "main"}
         for f in list(self.followers.values()):
             if f.role == "main":
                 # A session and its subagent files go together, or discovery would bring the subagents straight back.
-                group = [g for g in self.followers.values() if g.session_id == f.session_id and g.role == "subagent"]
-                if idle(f) and all(idle(g) for g in group):
-                    for g in [f, *group]:
+                group = [f, *subagents.get(f.session_id, [])]
+                if all(idle(g) for g in group):
+                    for g in group:
                         self.followers.pop(g.key, None)
-            elif f.key in self.followers and idle(f) and (f.role == "codex" or f.session_id not in mains):
+            elif idle(f) and (f.role == "codex" or f.session_id not in mains):
                 self.followers.pop(f.key, None)
 
     # --- discovery and watching ----------------------------------------------------------------------------
@@ -607,7 +629,8 @@ class Tailer:
                 async for changes in watchfiles.awatch(*dirs, watch_filter=None, recursive=False, debounce=50, step=50,
                                                        stop_event=_Stopper(stop, self._dirs_changed)):
                     for _change, raw in changes:
-                        if raw not in self.followers:
+                        # Only names that can be new subagent files or rollouts; a project folder is busy.
+                        if raw not in self.followers and os.path.basename(raw).startswith(("agent-", "rollout-")):
                             self._discover_now = True
                     self._wake.set()
             except (OSError, RuntimeError) as exc:

@@ -62,6 +62,8 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
                                                       "LOOMD_AGENTS_PREFIX"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("LOOMD_EMBEDDER", os.environ.get("LOOMD_TEST_EMBEDDER", "local"))
+    # Never let a test daemon scan the developer's real ~/.codex sessions.
+    monkeypatch.setenv("LOOMD_CODEX_HOME", str(path / "codex-home"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -116,5 +116,88 @@ SECRET_PAIRS: list[tuple[str, str]] = [
     (f'<add key="ApiKey" value="{ENV_VALUE}" />', ENV_VALUE),
 ]
 
+HEX32 = "9f86d081884c7d65" + "9a2feaa0c55ad015"
+HEX64 = HEX32 + "a3bf4f1b2b0b822c" + "d15d6c15b0f00a08"
+OPENROUTER = "sk-or-" + "v1-" + HEX64
+GROQ = "gsk_" + _rand(52, 1)
+XAI = "xai-" + _rand(80, 2)
+REPLICATE = "r8_" + _rand(37, 4)
+PERPLEXITY = "pplx-" + _rand(48, 3)
+ANTHROPIC_ADMIN = "sk-ant-" + "admin01-" + _rand(80, 6) + "-" + _rand(10, 2) + "AA"
+OPENAI_SVC = "sk-" + "svcacct-" + _rand(64, 8) + "T3Blbk" + "FJ" + _rand(20, 2)
+GCP_OAUTH = "ya29." + "a0AfB_by" + _rand(60, 3)
+GITHUB_REFRESH = "ghr_" + _rand(36, 2)
+GITHUB_USER = "ghu_" + _rand(36, 3)
+GITLAB_RUNNER = "glrt-" + _rand(20, 4)
+BITBUCKET = "ATBB" + _rand(32, 5)
+SENDGRID = "SG." + _rand(22, 1) + "." + _rand(43, 2)
+SHOPIFY = "shpat_" + HEX32
+DIGITALOCEAN = "dop_" + "v1_" + HEX64
+DATABRICKS = "dapi" + HEX32
+MAILGUN = "key-" + HEX32
+VAULT = "hvs." + _rand(90, 1)
+DOCKERHUB = "dckr_" + "pat_" + _rand(27, 5)
+LINEAR = "lin_" + "api_" + _rand(40, 3)
+DOPPLER = "dp.pt." + _rand(43, 2)
+NEWRELIC = "NRAK-" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ0"
+POSTMAN = "PMAK-" + HEX32[:24] + "-" + HEX32 + "12"
+AWS_SESSION = "IQoJb3JpZ2luX2VjE" + _rand(100, 3)
+GRAFANA = "glsa_" + _rand(32, 2) + "_" + "0123abcd"
+K8S_JWT = "eyJhbGciOiJSUzI1NiIsImtpZCI6IiJ9" + "." + "eyJpc3MiOiJrdWJlcm5ldGVzIn0" + "." + _rand(50, 7)
+
+# Issue 8: more clouds, VCS hosts and model providers, and the header and connection-string shapes they travel in.
+MORE_PAIRS: list[tuple[str, str]] = [
+    # model providers
+    (f"OPENROUTER_API_KEY={OPENROUTER}", OPENROUTER),
+    (f'client = OpenAI(base_url="https://openrouter.ai/api/v1", api_key="{OPENROUTER}")', OPENROUTER),
+    (f"export GROQ_API_KEY={GROQ}", GROQ),
+    (f"curl https://api.x.ai/v1/chat -H 'Authorization: Bearer {XAI}'", XAI),
+    (f"REPLICATE_API_TOKEN={REPLICATE}", REPLICATE),
+    (f"using pplx key {PERPLEXITY} for search", PERPLEXITY),
+    (f"ANTHROPIC_ADMIN_KEY={ANTHROPIC_ADMIN}", ANTHROPIC_ADMIN),
+    (f"openai.api_key = '{OPENAI_SVC}'", OPENAI_SVC),
+    (f'curl -H "api-key: {HEX32}" https://acme.openai.azure.com/openai/deployments', HEX32),
+    (f'genai.configure(api_key="AIzaSy{_rand(33, 4)}")', "AIzaSy" + _rand(33, 4)),
+    (f"MISTRAL_API_KEY={_rand(32, 9)}", _rand(32, 9)),
+    # clouds
+    (f"gcloud auth print-access-token\n{GCP_OAUTH}", GCP_OAUTH),
+    (f"AWS_SESSION_TOKEN={AWS_SESSION}", AWS_SESSION),
+    (f"[default]\naws_access_key_id = {AWS_ID}\naws_secret_access_key = {AWS_SECRET}\n", AWS_SECRET),
+    (f"doctl auth init --access-token {DIGITALOCEAN}", DIGITALOCEAN),
+    (f"DATABRICKS_TOKEN={DATABRICKS}", DATABRICKS),
+    (f"databricks configure --host https://x.cloud.databricks.com --token {DATABRICKS}", DATABRICKS),
+    (f"export VAULT_TOKEN={VAULT}", VAULT),
+    (f"Using token {VAULT} for vault login", VAULT),
+    (f"CLOUDFLARE_API_TOKEN={_rand(40, 14)}", _rand(40, 14)),
+    (f"HEROKU_API_KEY=01234567-89ab-cdef-0123-{HEX32[:12]}", f"01234567-89ab-cdef-0123-{HEX32[:12]}"),
+    (f"kubectl --token={K8S_JWT} get pods", K8S_JWT),
+    # VCS hosts and package registries
+    (f"git clone https://x-token-auth:{BITBUCKET}@bitbucket.org/acme/app.git", BITBUCKET),
+    (f"GITLAB_RUNNER_TOKEN={GITLAB_RUNNER}", GITLAB_RUNNER),
+    (f"refresh_token: {GITHUB_REFRESH}", GITHUB_REFRESH),
+    (f"gh auth status: logged in with {GITHUB_USER}", GITHUB_USER),
+    (f"//npm.pkg.github.com/:_authToken={GITHUB_PAT[:-6]}Zz9Yx8", GITHUB_PAT[:-6] + "Zz9Yx8"),
+    (f"docker login -u acme -p {DOCKERHUB}", DOCKERHUB),
+    # SaaS
+    (f"SENDGRID_API_KEY={SENDGRID}", SENDGRID),
+    (f"shopify app deploy --token {SHOPIFY}", SHOPIFY),
+    (f"mailgun: {MAILGUN}", MAILGUN),
+    (f"LINEAR_API_KEY={LINEAR}", LINEAR),
+    (f"doppler configure set token {DOPPLER}", DOPPLER),
+    (f"new relic ingest with {NEWRELIC}", NEWRELIC),
+    (f"postman api key {POSTMAN}", POSTMAN),
+    (f"TWILIO_AUTH_TOKEN={HEX32}", HEX32),
+    (f"grafana service account {GRAFANA}", GRAFANA),
+    (f"STRIPE_WEBHOOK_SECRET=whsec_{_rand(32, 3)}", "whsec_" + _rand(32, 3)),
+    # headers and connection strings
+    (f"Proxy-Authorization: Basic {BASIC}", BASIC),
+    (f"Authorization: token {_rand(40, 12)}", _rand(40, 12)),
+    (f'{{"headers": {{"Authorization": "Bearer {_rand(48, 13)}"}}}}', _rand(48, 13)),
+    (f"jdbc:mysql://db:3306/app?user=root&password={DB_PASS}", DB_PASS),
+    (f"psql 'host=db port=5432 user=app password={DB_PASS} dbname=app'", DB_PASS),
+    (f"-----BEGIN ENCRYPTED PRIVATE KEY-----\n{_rand(64, 6)}\n-----END ENCRYPTED PRIVATE KEY-----", _rand(64, 6)),
+    (f"-----BEGIN DSA PRIVATE KEY-----\n{_rand(64, 4)}\n-----END DSA PRIVATE KEY-----", _rand(64, 4)),
+]
+
 # The full corpus: the secret is a substring of the text and must not survive redaction.
-SECRET_SAMPLES: list[tuple[str, str]] = SECRET_PAIRS
+SECRET_SAMPLES: list[tuple[str, str]] = SECRET_PAIRS + MORE_PAIRS

@@ -1,4 +1,5 @@
-"""The hook shim `shims/loom-hook`, run as the agents run it: a real subprocess, `python -S -E <shim> <Event>`.
+"""The hook shim `shims/loom-hook` (a stub importing `shims/loom_hook.py`), run as the agents run it: a real
+subprocess, `python -S -E <shim> <Event>`.
 
 The daemon side is played either by nobody (spool path) or by a plain listening AF_UNIX socket in this process
 that answers with frames built by the real msgpack library, so the hand-made encoder and decoder in the shim are
@@ -29,6 +30,7 @@ import msgpack
 import pytest
 
 SHIM = Path(__file__).resolve().parents[1] / "shims" / "loom-hook"
+MODULE = SHIM.with_name("loom_hook.py")
 ARGS_KEYS = ["agent", "event", "raw", "eid", "context", "deadline_ms", "sent_at"]
 EID = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{8}-[0-9a-f]{8}$")
 SAMPLE = (
@@ -41,8 +43,8 @@ MARGIN_S = 1.5
 
 @pytest.fixture(scope="module")
 def shim() -> ModuleType:
-    """The shim as a module (it only runs main() under __main__), for its encoder, decoder and path rules."""
-    loader = importlib.machinery.SourceFileLoader("loom_hook", str(SHIM))
+    """The shim's module (importing it runs nothing), for its encoder, decoder and path rules."""
+    loader = importlib.machinery.SourceFileLoader("loom_hook", str(MODULE))
     spec = importlib.util.spec_from_loader("loom_hook", loader)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
@@ -772,3 +774,71 @@ def test_real_daemon_rejecting_garbage_costs_the_agent_nothing(home: Path) -> No
         proc, _ = run(home, "PostToolUse", stdin=b"\xff not json")
         assert_quiet(proc)
     assert "bad_request" in (home / "hook.log").read_text()
+
+
+# ---------------------------------------------------------------- the stub and its cached module
+
+
+def shim_copy(tmp: Path) -> Path:
+    """The stub and its module copied to a fresh folder (no __pycache__ yet); returns the stub."""
+    folder = tmp / "shims"
+    folder.mkdir()
+    for source in (SHIM, MODULE):
+        shutil.copy2(source, folder / source.name)
+    return folder / SHIM.name
+
+
+def run_stub(home: Path, stub: Path, *flags: str, python: str = sys.executable) -> subprocess.CompletedProcess[bytes]:
+    argv = [python, "-S", "-E", *flags, str(stub), "Stop"]
+    return subprocess.run(argv, input=SAMPLE, capture_output=True, env=shim_env(home), timeout=30)
+
+
+def test_stub_loads_the_module_from_cached_bytecode(home: Path, tmp_path: Path) -> None:
+    stub = shim_copy(tmp_path)
+    assert_quiet(run_stub(home, stub))
+    cache = stub.parent / "__pycache__"
+    tag = sys.implementation.cache_tag
+    assert [p.name for p in cache.iterdir()] == [f"loom_hook.{tag}.pyc"]
+    before = (cache / f"loom_hook.{tag}.pyc").stat().st_mtime_ns
+    assert_quiet(run_stub(home, stub))
+    assert (cache / f"loom_hook.{tag}.pyc").stat().st_mtime_ns == before  # reused, not rewritten
+    assert len(spooled(home)) == 2
+    assert len(SHIM.read_bytes()) < 1024  # what is compiled on every run stays tiny
+
+
+def test_stub_works_when_the_bytecode_cache_cannot_be_written(home: Path, tmp_path: Path) -> None:
+    stub = shim_copy(tmp_path)
+    (stub.parent / "__pycache__").write_bytes(b"")  # a file where the folder should be: even root cannot write it
+    for _ in range(2):
+        assert_quiet(run_stub(home, stub))
+    assert len(spooled(home)) == 2
+
+
+def test_stub_finds_its_module_in_isolated_mode(home: Path, tmp_path: Path) -> None:
+    stub = shim_copy(tmp_path)
+    assert_quiet(run_stub(home, stub, "-I"))  # -I leaves the script's folder off sys.path
+    assert only_spooled(home)["event"] == "Stop"
+
+
+def test_stub_without_its_module_exits_0_quietly(home: Path, tmp_path: Path) -> None:
+    stub = shim_copy(tmp_path)
+    (stub.parent / MODULE.name).unlink()
+    proc = run_stub(home, stub)
+    assert_quiet(proc)
+    assert proc.stderr == b""
+
+
+def test_module_stays_importable_by_python_3_9(shim: ModuleType) -> None:
+    """A plain plugin install may run the shim with any `python3` on PATH (macOS ships 3.9): annotations are
+    evaluated when a function is defined, so a PEP 604 union must be quoted there, and zip() takes no strict=."""
+    import ast
+
+    tree = ast.parse(MODULE.read_text(), feature_version=(3, 9))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            annotations = [a.annotation for a in [*node.args.args, *node.args.kwonlyargs] if a.annotation]
+            for annotation in [*annotations, node.returns]:
+                unions = [n for n in ast.walk(annotation) if isinstance(n, ast.BinOp)] if annotation else []
+                assert not unions, f"{node.name}: quote the annotation {ast.unparse(annotation)!r}"
+        if isinstance(node, ast.Call):
+            assert not any(k.arg == "strict" for k in node.keywords), "zip(strict=...) needs Python 3.10"

@@ -1,11 +1,13 @@
-#!/usr/bin/env python3
-"""loom-hook: hand one agent hook event to loomd, or spool it when the daemon is down. Always exits 0.
+"""loom_hook: hand one agent hook event to loomd, or spool it when the daemon is down. Always exits 0.
 
-Installed as `<abs python> -S -E <dir>/loom-hook [--agent claude|codex] <Event>` (payload on stdin), and as
-`... loom-hook notify '<json>'` for Codex `notify` (payload in argv). It sits on the agent's critical path, so it
-imports only builtin modules plus the small `_socket` extension (`socket`, `os` and `json` each cost
-milliseconds), parses nothing, and never imports loomd. Wire format: design README §4 (4-byte big-endian length,
-one msgpack map), hand-encoded here. Path rules repeat loomd/config.py::resolve_paths; keep both in step.
+The agents run the stub next to this file, `<abs python> -S -E <dir>/loom-hook [--agent claude|codex] <Event>`
+(payload on stdin), or `... loom-hook notify '<json>'` for Codex `notify` (payload in argv). The stub only imports
+this module, so the interpreter loads cached bytecode instead of compiling the whole shim on every event. It sits on
+the agent's critical path, so it imports only builtin modules plus the small `_socket` extension (`socket`, `os`
+and `json` each cost milliseconds), parses nothing, and never imports loomd. Any Python from 3.9 on runs it (a
+plain plugin install may run it with whatever `python3` is first on PATH): no `X | Y` outside quoted annotations.
+Wire format: design README §4 (4-byte big-endian length, one msgpack map), hand-encoded here. Path rules repeat
+loomd/config.py::resolve_paths; keep both in step.
 """
 
 import _signal
@@ -207,7 +209,9 @@ def unpack(buf: bytes, i: int = 0) -> tuple[object, int]:
     for _ in range(2 * n if kind == "map" else n):
         item, i = unpack(buf, i)
         items.append(item)
-    return (dict(zip(items[::2], items[1::2], strict=True)) if kind == "map" else items), i
+    if kind == "map":  # no zip(strict=): Python 3.9 runs this too
+        return {items[k]: items[k + 1] for k in range(0, len(items), 2)}, i
+    return items, i
 
 
 # ---------------------------------------------------------------- stdin
@@ -359,7 +363,7 @@ def spool(state: bytes, eid: str, args: bytes) -> None:
         pass
 
 
-def log(state: bytes | None, line: str) -> None:
+def log(state: "bytes | None", line: str) -> None:
     """Append one line to <state>/hook.log if at all possible; never raises."""
     try:
         if state is None:
@@ -380,7 +384,7 @@ def log(state: bytes | None, line: str) -> None:
 # ---------------------------------------------------------------- main
 
 
-def parse_argv(argv: list[str]) -> tuple[str, str, bytes | None]:
+def parse_argv(argv: "list[str]") -> "tuple[str, str, bytes | None]":
     """(agent or "", event, notify payload or None)."""
     agent = ""
     rest = argv[1:]
@@ -446,7 +450,8 @@ def main(argv: list[str]) -> None:
             pass  # the daemon has the event; a closed stdout is the agent's business
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The stub's entry point: main(), then exit 0 at once, whatever happened."""
     try:
         main(sys.argv)
     except BaseException:

@@ -1,0 +1,264 @@
+"""BENCH.md §4, search and context latency at 1k, 10k and 100k memories.
+
+The corpus: every LoCoMo dialog turn and every text item of the real transcripts under ../shared/data/transcripts,
+then the same again with variation (each copy joins the start of one item to a sentence of another and renumbers
+its digits) until the level is reached; one project, sessions of 40 memories in time order, two years of times.
+It is written with loomd's own `insert_memory` + `write_derived` (what the `store` op runs) straight into a
+database file, then a daemon back-fills the vectors (embed_threads 2), and the database is kept in --cache for the
+next run. Each level is measured on a fresh `python -m loomd serve` with the default config.
+
+Measured per level, interleaved round-robin over the same questions (LoCoMo questions and real user prompts):
+`search` hybrid (limit 10, the default), keyword (the FTS-only baseline in the same run), semantic; `context`
+kind prompt (the per-prompt recall the hook asks for) and kind start (a fresh session's block); `ping` (the
+socket floor). Client wall time p50/p99; the daemon's own breakdown (query embedding apart) from `explain`
+timings. Ingest ack latency is measured while the first back-fill of the level runs and again idle.
+
+Prints one JSON object on stdout; a markdown table goes to stderr.
+
+    python bench/search.py [--quick] [--levels 1000,10000,100000] [--queries 300] [--cache DIR] [--fresh]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from locomo import DEFAULT_DATA, Daemon, load  # noqa: E402
+
+from loomd.derived import write_derived  # noqa: E402
+from loomd.memories import insert_memory  # noqa: E402
+from loomd.migrations import MIGRATIONS  # noqa: E402
+from loomd.store import Store  # noqa: E402
+from loomd.transcript import parse_file  # noqa: E402
+
+TRANSCRIPTS = REPO.parent / "shared" / "data" / "transcripts"
+PROJECT = "bench:search"
+SESSION_SIZE = 40
+CORPUS_VERSION = 1
+SPAN_S = 2 * 365 * 86400.0
+END = 1_750_000_000.0
+
+
+def base_items(data: Path) -> tuple[list[str], list[str]]:
+    """The corpus seeds (LoCoMo turns, transcript texts) and the queries (LoCoMo questions, user prompts)."""
+    texts, queries = [], []
+    for conv in load(data, list(range(5))):
+        texts += [t.item() for t in conv.turns]
+        queries += [q for q, _, _ in conv.questions]
+    for path in sorted(TRANSCRIPTS.rglob("*")):
+        if path.suffix != ".jsonl" and path.name != "chat.json":
+            continue
+        try:
+            items = parse_file(path)
+        except (OSError, ValueError):
+            continue
+        for item in items:
+            text = " ".join(item.text.split())[:1200]
+            if len(text) >= 20:
+                texts.append(text)
+                if item.kind == "user_message" and len(text) < 400:
+                    queries.append(text)
+    return texts, queries
+
+
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+
+
+def corpus(seeds: list[str], n: int) -> list[str]:
+    """n texts: the seeds, then varied copies (start of one + a sentence of another, digits renumbered)."""
+    out = list(seeds[:n])
+    rng = random.Random(7)
+    copy = 1
+    while len(out) < n:
+        for i, seed in enumerate(seeds):
+            if len(out) >= n:
+                break
+            other = _SENTENCE.split(seeds[rng.randrange(len(seeds))])
+            head = _SENTENCE.split(seed)
+            text = " ".join(head[: max(1, len(head) // 2)] + [rng.choice(other)])
+            shift = copy * 7 + i
+            text = re.sub(r"\d+", lambda m, shift=shift: str((int(m.group()[:9]) + shift) % 10_000), text)
+            out.append(f"{text} [{copy}.{i}]" if rng.random() < 0.1 else text)
+        copy += 1
+    return out
+
+
+async def build_db(path: Path, texts: list[str]) -> int:
+    """Write the memories as the `store` op does, 500 per transaction."""
+    store = await Store.open(path)
+    try:
+        for start in range(0, len(texts), 500):
+            async with store.atomic() as db:
+                ids = []
+                for i in range(start, min(start + 500, len(texts))):
+                    memory_id, _ = await insert_memory(
+                        db, kind="observation", text=texts[i], project=PROJECT, session_id=f"s{i // SESSION_SIZE}",
+                        created=END - SPAN_S + SPAN_S * i / len(texts))
+                    ids.append(memory_id)
+                await write_derived(db, ids)
+        return int(await store.scalar("SELECT count(*) FROM memories"))
+    finally:
+        await store.close()
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+    return {"n": len(xs), "p50": round(statistics.median(xs), 2), "p99": round(p99, 2), "max": round(xs[-1], 2)}
+
+
+def ingest_probe(daemon: Daemon, n: int, tag: str) -> list[float]:
+    out = []
+    for i in range(n):
+        item = {"session_id": f"probe-{tag}", "kind": "UserPromptSubmit", "payload": {"prompt": f"probe {tag} {i}"}}
+        t = time.perf_counter()
+        daemon.client.call("ingest", {"item": item})
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def prepare(level: int, texts: list[str], cache: Path, fresh: bool) -> tuple[Path, dict[str, Any]]:
+    """A database of `level` memories with every vector back-filled (from the cache when it has one)."""
+    key = f"v{CORPUS_VERSION}-m{len(MIGRATIONS)}-{level}.db"
+    cached = cache / key
+    info: dict[str, Any] = {"cached": cached.exists() and not fresh}
+    if info["cached"]:
+        return cached, info
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="lmbuild", dir="/tmp"))
+    t0 = time.perf_counter()
+    info["memories"] = asyncio.run(build_db(work / "loomd.db", texts[:level]))
+    info["build_s"] = round(time.perf_counter() - t0, 1)
+    d = Daemon({"LOOMD_EMBED_THREADS": "2"}, home=work)
+    try:
+        t1 = time.perf_counter()
+        time.sleep(0.5)
+        info["ingest_ack_ms_during_backfill"] = percentiles(ingest_probe(d, 200, "busy"))
+        status = d.wait_caught_up(timeout=3600)
+        info["backfill_s"] = round(time.perf_counter() - t1, 1)
+        info["vectors"] = status["vectors"]
+        info["ingest_ack_ms_idle"] = percentiles(ingest_probe(d, 200, "idle"))
+    finally:
+        d.stop(keep=True)
+    shutil.copyfile(work / "loomd.db", cached)
+    shutil.rmtree(work, ignore_errors=True)
+    return cached, info
+
+
+def measure(db: Path, queries: list[str], n: int, rng: random.Random) -> dict[str, Any]:
+    home = Path(tempfile.mkdtemp(prefix="lmsearch", dir="/tmp"))
+    shutil.copyfile(db, home / "loomd.db")
+    d = Daemon(home=home)
+    out: dict[str, Any] = {}
+    try:
+        status = d.wait_caught_up()
+        out["vectors"] = status["vectors"]
+        picked = [rng.choice(queries)[:2000] for _ in range(n)]
+        for q in picked[:20]:  # warm the caches (page cache, FTS segments, the model's first runs)
+            d.client.call("search", {"query": q, "project": PROJECT})
+        ops: dict[str, list[float]] = {k: [] for k in (
+            "ping", "search hybrid", "search keyword", "search semantic", "context prompt", "context start")}
+        daemon_ms: dict[str, list[float]] = {}
+        for i, q in enumerate(picked):
+            calls = [
+                ("ping", "ping", {}),
+                ("search hybrid", "search", {"query": q, "project": PROJECT, "explain": True}),
+                ("search keyword", "search", {"query": q, "project": PROJECT, "mode": "keyword"}),
+                ("search semantic", "search", {"query": q, "project": PROJECT, "mode": "semantic"}),
+                ("context prompt", "context", {"kind": "prompt", "session_id": f"bench-{i % 20}", "prompt": q,
+                                               "project": PROJECT}),
+                ("context start", "context", {"kind": "start", "session_id": f"start-{i}", "project": PROJECT}),
+            ]
+            rng.shuffle(calls)
+            for name, op, args in calls:
+                t = time.perf_counter()
+                reply = d.client.call(op, args)
+                ops[name].append((time.perf_counter() - t) * 1000)
+                if name == "search hybrid":
+                    for stage, ms in reply["timings"].items():
+                        daemon_ms.setdefault(stage, []).append(ms)
+        out["client_ms"] = {k: percentiles(v) for k, v in ops.items()}
+        out["daemon_hybrid_ms"] = {k: percentiles(v) for k, v in daemon_ms.items()}
+        p50 = out["client_ms"]["search keyword"]["p50"]
+        out["ratio_hybrid_to_keyword_p50"] = round(out["client_ms"]["search hybrid"]["p50"] / p50, 2)
+    finally:
+        d.stop()
+    return out
+
+
+def embed_floor(queries: list[str], n: int) -> dict[str, Any]:
+    """The query embedding alone, in this process, one thread: what every semantic search pays."""
+    from loomd.embed import LocalEmbedder
+
+    model = LocalEmbedder(threads=1)
+    model.embed(["warm up"])
+    times = []
+    for q in queries[:n]:
+        t = time.perf_counter()
+        model.embed([q[:2000]])
+        times.append((time.perf_counter() - t) * 1000)
+    return percentiles(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--levels", default="1000,10000,100000")
+    parser.add_argument("--queries", type=int, default=300, help="questions per level (each runs every op)")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "loomd-bench-search")
+    parser.add_argument("--fresh", action="store_true", help="rebuild the cached databases")
+    parser.add_argument("--quick", action="store_true", help="1k and 10k, 100 questions: under a minute when cached")
+    args = parser.parse_args()
+    levels = [1000, 10000] if args.quick else [int(x) for x in args.levels.split(",")]
+    n = 100 if args.quick else args.queries
+    started = time.time()
+    seeds, queries = base_items(args.data)
+    texts = corpus(seeds, max(levels))
+    rng = random.Random(11)
+    results: dict[str, Any] = {}
+    for level in levels:
+        db, info = prepare(level, texts, args.cache, args.fresh)
+        results[str(level)] = {"prepare": info, **measure(db, queries, n, rng)}
+        print(f"level {level}: done", file=sys.stderr, flush=True)
+    out = {
+        "bench": "search", "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                       "loadavg": [round(x, 2) for x in os.getloadavg()]},
+        "parameters": {"levels": levels, "queries": n, "corpus_seeds": len(seeds), "query_pool": len(queries),
+                       "session_size": SESSION_SIZE, "cache": str(args.cache), "quick": args.quick},
+        "query_embedding_ms_in_process": embed_floor(queries, 100),
+        "levels": results, "seconds": round(time.time() - started, 1),
+    }
+    print(table(out), file=sys.stderr)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def table(out: dict[str, Any]) -> str:
+    names = ["search hybrid", "search keyword", "search semantic", "context prompt", "context start", "ping"]
+    lines = ["| memories | " + " | ".join(f"{n} p50 / p99" for n in names) + " | hybrid: embed p50 / p99 |",
+             "|---|" + "---|" * (len(names) + 1)]
+    for level, res in out["levels"].items():
+        cells = [f"{res['client_ms'][n]['p50']} / {res['client_ms'][n]['p99']}" for n in names]
+        embed = res["daemon_hybrid_ms"].get("embed_ms", {"p50": "-", "p99": "-"})
+        lines.append(f"| {int(level):,} | " + " | ".join(cells) + f" | {embed['p50']} / {embed['p99']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

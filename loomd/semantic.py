@@ -1,0 +1,236 @@
+"""The semantic side of search: the embedder's lifecycle, the vector back-fill loop and KNN queries."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .backfill import Plan, apply_plan, load_index, plan_batch, scan
+from .embed import Embedder, NoEmbedder, make_embedder
+from .errors import EmbedderError, StorageError
+from .store import DB_ERRORS, Store, connect_sync
+from .vectors import PREFILTER, BitIndex, as_matrix
+
+if TYPE_CHECKING:
+    from .config import Config
+
+log = logging.getLogger(__name__)
+
+# A filtered search that keeps too few prefilter candidates scans the filtered set exactly, up to this many rows.
+EXACT_LIMIT = 50_000
+
+
+class VectorService:
+    """The embedding provider and the vector signal of one daemon.
+
+    Startup loads the provider on the back-fill thread (a failed load leaves search full-text only, stated in
+    `status`), reads the index, then back-fills forever: woken by `wake()` after memory writes, and every
+    IDLE_RESCAN_S in case a wake was missed. Queries embed on a second thread, so a back-fill batch never
+    delays a search. Nothing here runs a model or a full scan on the event loop.
+    """
+
+    IDLE_RESCAN_S = 5.0
+    FULL_RESCAN_S = 600.0
+
+    def __init__(self, config: Config, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self.state = "off" if config.embedder.strip().lower() == "none" else "loading"
+        self.error = ""
+        self.embedder: Embedder | None = None
+        self.index: BitIndex | None = None
+        self.pending = 0
+        self.embedded = 0
+        self.copied = 0
+        self._busy = False
+        self._wake = asyncio.Event()
+        self._dirty: set[int] = set()  # committed, to check
+        self._written: set[int] = set()  # written in a transaction that may not have committed yet
+        self._cursor = 0
+        self._conn: sqlite3.Connection | None = None
+        self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill")
+        self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query")
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+
+    async def run(self, should_exit: asyncio.Event) -> None:
+        """Load the provider and the index, then back-fill until cancelled."""
+        if self.state == "off":
+            log.warning("embedder = none: search runs on full text and the entity graph only")
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            self.embedder = await loop.run_in_executor(self._bulk, make_embedder, self.config)
+        except EmbedderError as exc:
+            self.state, self.error = "failed", str(exc)
+            log.error("the embedder did not load, search is full-text only until it is fixed: %s", exc)
+            return
+        if isinstance(self.embedder, NoEmbedder):
+            self.state = "off"
+            return
+        self.index = await loop.run_in_executor(self._bulk, self._open_index)
+        self.state = "ready"
+        log.info("embedder %s ready, %d vectors indexed", self.embedder.name, len(self.index or ()))
+        last_full = time.monotonic()
+        failures = 0
+        while not should_exit.is_set():
+            if time.monotonic() - last_full > self.FULL_RESCAN_S:
+                self._cursor, last_full = 0, time.monotonic()
+            self._wake.clear()
+            self._busy = True
+            try:
+                done = await self._one_batch()
+            except (EmbedderError, StorageError, *DB_ERRORS, ValueError) as exc:  # a locked or full disk: retry
+                failures += 1
+                self.error = f"back-fill failed ({failures}x), retrying: {exc}"
+                log.error("vector back-fill failed, retrying: %s", exc)
+                self._busy = False
+                await self._sleep(min(60.0, 2.0**failures))
+                continue
+            failures, self.error = 0, ""
+            if done:
+                self._busy = False
+                await self._sleep(self.IDLE_RESCAN_S)
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except TimeoutError:
+            self._promote()  # written by a path that never called wake(); its transaction is long over
+
+    async def close(self) -> None:
+        """Let the worker threads finish what they run (one batch at most), then close the read connection."""
+        for pool in (self._query, self._bulk):
+            await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def wake(self) -> None:
+        """Memories were committed: back-fill now."""
+        self._promote()
+        self._wake.set()
+
+    def mark_dirty(self, ids: Sequence[int]) -> None:
+        """These memories are being written (maybe with a new text), inside a transaction that has not committed:
+        their vectors are checked at the first batch after the next `wake()` (or the next idle rescan)."""
+        self._written.update(ids)
+
+    def _promote(self) -> None:
+        written = list(self._written)
+        self._written.difference_update(written)
+        self._dirty.update(written)
+
+    @property
+    def caught_up(self) -> bool:
+        return self.state != "loading" and (self.state != "ready" or not (self._busy or self._wake.is_set()))
+
+    def status(self) -> dict[str, Any]:
+        name = self.embedder.name if self.embedder is not None else self.config.embedder
+        out: dict[str, Any] = {
+            "provider": self.config.embedder, "model": name, "state": self.state,
+            "dim": self.index.dim if self.index is not None else None,
+            "vectors": len(self.index) if self.index is not None else 0, "pending": self.pending,
+            "caught_up": self.caught_up, "embedded": self.embedded, "copied": self.copied,
+        }
+        if self.error:
+            out["error"] = self.error
+        if self.state in ("off", "failed"):
+            out["note"] = "full-text search only (no vector, no recurrence signal)"
+        return out
+
+    # --- back-fill -------------------------------------------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self._conn = connect_sync(self.store.path, busy_timeout_ms=self.config.busy_timeout_ms)
+            self._conn.execute("PRAGMA query_only = ON")
+        return self._conn
+
+    def _open_index(self) -> BitIndex | None:
+        assert self.embedder is not None
+        conn = self._connection()
+        dim = self.embedder.dim
+        if not dim:
+            row = conn.execute("SELECT length(vec) / 4 FROM memory_vectors WHERE model = ? LIMIT 1",
+                               (self.embedder.name,)).fetchone()
+            dim = row[0] if row else 0
+        return load_index(conn, self.embedder.name, dim) if dim else None
+
+    def _plan(self) -> Plan | None:
+        assert self.embedder is not None
+        conn = self._connection()
+        dirty = sorted(self._dirty)
+        self._dirty.difference_update(dirty)
+        batch, self._cursor = scan(conn, self.embedder.name, dirty, self._cursor)
+        if not batch:
+            self.pending = 0
+            return None
+        plan = plan_batch(conn, self.embedder, self.index, batch)
+        self.pending = max(0, conn.execute(
+            "SELECT count(*) FROM memories WHERE id > ?", (self._cursor,)).fetchone()[0])
+        return plan
+
+    async def _one_batch(self) -> bool:
+        """Plan and write one batch; True when nothing was left to do."""
+        plan = await asyncio.get_running_loop().run_in_executor(self._bulk, self._plan)
+        if plan is None:
+            return True
+        async with self.store.atomic() as db:
+            await apply_plan(db, plan)
+        if self.index is None:
+            self.index = BitIndex(plan.model, len(plan.rows[0][2]) // 4)
+        self.index.upsert(plan.index_rows)
+        self.index.set_bits((i, bits) for i, (_, bits) in plan.remixed.items())
+        self.embedded += plan.embedded
+        self.copied += plan.copied
+        return False
+
+    # --- queries ---------------------------------------------------------------------------------------------
+
+    def _embed_and_prefilter(
+        self, query: str, k: int, projects: Sequence[str] | None, raw: bool,
+    ) -> tuple[np.ndarray, list[int], int, float]:
+        assert self.embedder is not None and self.index is not None
+        started = time.perf_counter()
+        vector = np.frombuffer(self.embedder.embed([query])[0], dtype="<f4")
+        embed_ms = (time.perf_counter() - started) * 1000
+        ids, eligible = self.index.nearest(self.index.query_words(vector), k, projects, raw=raw)
+        return vector, ids, eligible, embed_ms
+
+    async def knn(
+        self, query: str, *, k: int, where: str, params: Sequence[Any], projects: Sequence[str] | None,
+        mixed: bool = True, prefilter: int = PREFILTER, timings: dict[str, float] | None = None,
+    ) -> list[tuple[int, float]] | None:
+        """The k memories (matching `where`, over alias m) nearest the query, with cosines; None without vectors."""
+        if self.state != "ready" or self.index is None or not len(self.index):
+            return None
+        started = time.perf_counter()
+        vector, ids, eligible, embed_ms = await asyncio.get_running_loop().run_in_executor(
+            self._query, self._embed_and_prefilter, query, max(prefilter, k), projects, not mixed)
+        column = "mixed" if mixed else "vec"
+        sql = (f"SELECT v.memory_id, v.{column} FROM memory_vectors v JOIN memories m ON m.id = v.memory_id"
+               f" WHERE v.model = ? AND {where}")
+        rows = await self.store.fetchall(sql + " AND v.memory_id IN (SELECT value FROM json_each(?))",
+                                         [self.index.model, *params, json.dumps(ids)])
+        if len(rows) < k and eligible > len(ids):
+            # The filters kept too few of the prefilter's candidates: search the filtered set exactly.
+            rows = await self.store.fetchall(sql + " LIMIT ?", [self.index.model, *params, EXACT_LIMIT])
+        rows = [r for r in rows if r[1] is not None]
+        if not rows:
+            return []
+        cosines = as_matrix([r[1] for r in rows], self.index.dim) @ vector
+        found = np.array([r[0] for r in rows], dtype=np.int64)
+        order = np.lexsort((found, -cosines))[:k]
+        if timings is not None:
+            timings["embed_ms"] = round(embed_ms, 3)
+            timings["vec_ms"] = round((time.perf_counter() - started) * 1000, 3)
+        return [(int(found[i]), float(cosines[i])) for i in order]

@@ -1,0 +1,151 @@
+"""The digest: keep a project's reflection block within `reflection_context_max_tokens`.
+
+The newest durable memories are kept verbatim (60% of the budget, in characters: tokens × 4); everything older is
+folded into one extractive `digest` memory that fits the other 40% to the character: grouped by kind, counted, and
+the most valuable line of each group first, then the next ones while they fit. The previous digest is archived,
+never deleted. The checkpoint `digest:<project>` records the newest folded memory (the watermark) and a fingerprint
+of the folded set, so a run with nothing new to fold writes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ..memories import insert_memory, set_archived
+from .base import (
+    REFLECTION_KINDS,
+    RunReport,
+    RunRequest,
+    WorkerContext,
+    add_edge,
+    get_checkpoint,
+    progress,
+    set_checkpoint,
+)
+from .text import clip
+
+VERBATIM_SHARE = 0.6
+LABELS = {"constraint": "Rules", "preference": "Preferences", "decision": "Decisions", "procedure": "Procedures",
+          "insight": "Insights", "fact": "Facts", "reflection": "Reflections", "handoff": "Handoffs"}
+MAX_EDGES = 500
+
+
+def budgets(max_tokens: int) -> tuple[int, int]:
+    """(verbatim chars, digest chars) for a reflection block of `max_tokens`."""
+    total = max(0, max_tokens) * 4
+    verbatim = int(total * VERBATIM_SHARE)
+    return verbatim, total - verbatim
+
+
+def _worth(row: Any) -> float:
+    return float(row["importance"]) * (1 + math.log1p(int(row["hits"]))) + float(row["updated"]) * 1e-12
+
+
+def _day(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d")
+
+
+def render_digest(rows: Sequence[Any], budget: int) -> str:
+    """An extractive digest of `rows`, at most `budget` characters (never more, whatever the input)."""
+    if budget <= 0 or not rows:
+        return ""
+    groups: dict[str, list[Any]] = {}
+    for row in rows:
+        groups.setdefault(row["kind"], []).append(row)
+    order = [k for k in LABELS if k in groups] + sorted(k for k in groups if k not in LABELS)
+    for kind in order:
+        groups[kind].sort(key=_worth, reverse=True)
+    span = f"{_day(min(r['created'] for r in rows))}..{_day(max(r['updated'] for r in rows))}"
+    counts = ", ".join(f"{len(groups[k])} {LABELS.get(k, k).lower()}" for k in order)
+    out = clip(f"Digest of {len(rows)} older memories ({span}): {counts}", budget)
+    depth = max(len(g) for g in groups.values())
+    for rank in range(depth):  # the best line of every group before the second line of any
+        for kind in order:
+            if rank >= len(groups[kind]):
+                continue
+            row = groups[kind][rank]
+            line = f"\n{LABELS.get(kind, kind)}: {' '.join(row['text'].split())} #{row['id']}"
+            room = budget - len(out)
+            if len(line) <= room:
+                out += line
+            elif room >= 40:
+                out += "\n" + clip(line.strip(), room - 1)
+                return out
+            else:
+                return out
+    return out
+
+
+class Digest:
+    name = "digest"
+
+    async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
+        if req.project:
+            projects = [req.project]
+        elif req.session_id:
+            rows = await ctx.store.fetchall("SELECT DISTINCT project FROM memories WHERE session_id = ?"
+                                            " AND kind = 'observation'", (req.session_id,))
+            projects = [r[0] for r in rows]
+        else:
+            marks = ",".join("?" * len(REFLECTION_KINDS))
+            rows = await ctx.store.fetchall(
+                f"SELECT DISTINCT project FROM memories WHERE kind IN ({marks}) AND archived_at IS NULL",
+                REFLECTION_KINDS)
+            projects = [r[0] for r in rows]
+        for project in projects:
+            async with ctx.write(req.dry_run) as db:
+                await self.digest(ctx, db, project, report, req.dry_run)
+
+    async def digest(self, ctx: WorkerContext, db: Any, project: str, report: RunReport, dry_run: bool) -> None:
+        verbatim_budget, digest_budget = budgets(ctx.config().reflection_context_max_tokens)
+        marks = ",".join("?" * len(REFLECTION_KINDS))
+        async with db.execute(
+            f"SELECT id, kind, text, importance, hits, created, updated FROM memories WHERE project = ?"
+            f" AND kind IN ({marks}) AND archived_at IS NULL AND superseded_by IS NULL"
+            f" ORDER BY updated DESC, id DESC", (project, *REFLECTION_KINDS)) as cur:
+            rows = list(await cur.fetchall())
+        used, cut = 0, len(rows)
+        for i, row in enumerate(rows):
+            used += len(row["text"]) + 1
+            if used > verbatim_budget:
+                cut = i
+                break
+        older = rows[cut:]
+        fingerprint = hashlib.sha256(json.dumps(
+            [[r["id"], r["updated"], r["hits"]] for r in older] + [digest_budget]).encode()).hexdigest()[:24]
+        raw = await get_checkpoint(db, f"digest:{project}")
+        state = json.loads(raw) if raw else {}
+        async with db.execute("SELECT id, text FROM memories WHERE project = ? AND kind = 'digest'"
+                              " AND archived_at IS NULL ORDER BY id DESC", (project,)) as cur:
+            current = list(await cur.fetchall())
+        if state.get("fingerprint") == fingerprint and (current or not older):
+            return  # nothing new to fold since the last digest
+        report.items_in += len(rows)
+        text = render_digest(older, digest_budget)
+        digest_id = None
+        if text and not (current and current[0]["text"] == text):
+            digest_id, _ = await insert_memory(
+                db, kind="digest", text=text, project=project, importance=0.6, origin="digest",
+                meta={"folded": len(older), "verbatim": cut, "budget_chars": digest_budget})
+            for row in older[:MAX_EDGES]:
+                await add_edge(db, digest_id, row["id"], "derives_from")
+            report.wrote("digest", id=digest_id, chars=len(text), budget=digest_budget, folded=len(older), text=text)
+            if not dry_run:
+                await ctx.after_write(db, [digest_id])
+        elif current:
+            digest_id = current[0]["id"]
+        stale = [r["id"] for r in current if r["id"] != digest_id]
+        if stale:
+            reason = f"replaced by digest #{digest_id}" if digest_id else "nothing left to fold"
+            await set_archived(db, stale, True, reason)
+            for memory_id in stale:
+                report.wrote("archive", id=memory_id, reason=reason)
+        await set_checkpoint(db, f"digest:{project}", {
+            "fingerprint": fingerprint, "digest_id": digest_id, "folded": len(older), "verbatim": cut,
+            "watermark": max((r["updated"] for r in older), default=None)})
+        await progress(db, report, len(rows), 1 if digest_id and text else 0)

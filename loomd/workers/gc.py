@@ -1,0 +1,151 @@
+"""GC: TTL expiry, per-project caps, dangling edges, stale tasks, and the purge of raw events — archive-only.
+
+No memory is ever deleted: expired, evicted and stale ones get `archived_at` (and stay fetchable by id). The
+working set is never touched: memories injected into a recently active session, memories hit recently, open
+tasks and everything linked to them. Raw events older than `event_ttl_days` are purged only once the observer's
+watermark has passed them; an event that a memory cites keeps its row (the provenance link) and loses its payload.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable
+
+import aiosqlite
+
+from ..config import Config
+from ..memories import set_archived
+from .base import RunReport, RunRequest, WorkerContext, progress
+
+OPEN_TASK_STATES = ("draft", "active")
+KIND_WEIGHT = {"constraint": 3.0, "preference": 3.0, "task": 2.5, "handoff": 2.5, "decision": 2.0, "procedure": 2.0,
+               "insight": 2.0, "digest": 5.0, "fact": 1.5, "reflection": 1.5, "error": 1.0, "observation": 0.5}
+PURGE_BATCH = 5000
+PURGED_PAYLOAD = '{"purged": true}'
+
+
+async def _ids(db: aiosqlite.Connection, sql: str, params: Iterable[object] = ()) -> set[int]:
+    async with db.execute(sql, tuple(params)) as cur:
+        return {int(r[0]) for r in await cur.fetchall() if r[0] is not None and str(r[0]).lstrip("-").isdigit()}
+
+
+async def working_set(db: aiosqlite.Connection, config: Config, now: float | None = None) -> set[int]:
+    """Ids that no dropper or GC pass may archive."""
+    since = (now or time.time()) - config.working_set_days * 86400
+    ids = await _ids(db, "SELECT j.value FROM sessions s, json_each(s.injected) j"
+                         " WHERE json_valid(s.injected) AND s.last_seen >= ?", (since,))
+    ids |= await _ids(db, "SELECT id FROM memories WHERE last_hit IS NOT NULL AND CAST(last_hit AS REAL) >= ?",
+                      (since,))
+    open_tasks: set[int] = set()
+    async with db.execute("SELECT id, meta FROM memories WHERE kind = 'task' AND archived_at IS NULL") as cur:
+        for row in await cur.fetchall():
+            try:
+                meta = json.loads(row[1] or "{}")
+            except ValueError:
+                meta = {}
+            if not isinstance(meta, dict) or meta.get("state", "draft") in OPEN_TASK_STATES:
+                open_tasks.add(int(row[0]))
+                evidence = meta.get("evidence") if isinstance(meta, dict) else None
+                refs = evidence.get("memory") if isinstance(evidence, dict) else None
+                ids |= {r for r in refs or [] if isinstance(r, int)}
+    if open_tasks:
+        marks = ",".join("?" * len(open_tasks))
+        ids |= await _ids(db, f"SELECT src_id FROM edges WHERE src_type = 'memory' AND dst_type = 'memory'"
+                              f" AND dst_id IN ({marks})", sorted(open_tasks))
+        ids |= await _ids(db, f"SELECT dst_id FROM edges WHERE src_type = 'memory' AND dst_type = 'memory'"
+                              f" AND src_id IN ({marks})", sorted(open_tasks))
+    return ids | open_tasks
+
+
+def value(kind: str, importance: float, hits: int, last_active: float, now: float, half_life_days: float) -> float:
+    """What a memory is worth keeping: kind, importance, use, and recency (halving every `half_life_days`)."""
+    age_days = max(0.0, now - last_active) / 86400
+    return KIND_WEIGHT.get(kind, 1.0) * importance * (1 + math.log1p(hits)) * 0.5 ** (age_days / half_life_days)
+
+
+async def archive(db: aiosqlite.Connection, ids: list[int], reason: str, report: RunReport) -> None:
+    if ids:
+        await set_archived(db, ids, True, reason)
+        for memory_id in ids:
+            report.wrote("archive", id=memory_id, reason=reason)
+
+
+class GC:
+    name = "gc"
+
+    async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
+        cfg, now = ctx.config(), time.time()
+        async with ctx.write(req.dry_run) as db:
+            protected = await working_set(db, cfg, now)
+            before = report.items_out
+            await self.expire(db, cfg, now, protected, report)
+            await self.cap(db, cfg, now, protected, report, req.project)
+            await self.stale_tasks(db, cfg, now, protected, report)
+            await self.dangling_edges(db, report)
+            await self.purge_events(db, cfg, now, report)
+            await progress(db, report, 0, report.items_out - before)
+        report.detail["protected"] = len(protected)
+
+    async def expire(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int],
+                     report: RunReport) -> None:
+        ids = await _ids(db, "SELECT id FROM memories WHERE archived_at IS NULL AND expires IS NOT NULL"
+                             " AND expires <= ?", (now,))
+        await archive(db, sorted(ids - protected), "expired", report)
+        if cfg.memory_ttl_days > 0:
+            cutoff = now - cfg.memory_ttl_days * 86400
+            ids = await _ids(db, "SELECT id FROM memories WHERE archived_at IS NULL AND kind NOT IN ('digest', 'task')"
+                                 " AND max(updated, coalesce(CAST(last_hit AS REAL), 0)) < ?", (cutoff,))
+            await archive(db, sorted(ids - protected), f"ttl: untouched for {cfg.memory_ttl_days:g} days", report)
+
+    async def cap(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int], report: RunReport,
+                  only: str | None) -> None:
+        async with db.execute("SELECT project, count(*) FROM memories WHERE archived_at IS NULL GROUP BY project"
+                              " HAVING count(*) > ?", (cfg.project_memory_cap,)) as cur:
+            over = [(r[0], r[1]) for r in await cur.fetchall() if only is None or r[0] == only]
+        for project, count in over:
+            async with db.execute(
+                "SELECT id, kind, importance, hits, max(updated, coalesce(CAST(last_hit AS REAL), 0)) FROM memories"
+                " WHERE project = ? AND archived_at IS NULL", (project,)) as cur:
+                rows = await cur.fetchall()
+            ranked = sorted((value(r[1], r[2], r[3], r[4], now, cfg.recency_half_life_days), r[0])
+                            for r in rows if r[0] not in protected)
+            excess = count - cfg.project_memory_cap
+            victims = [memory_id for _, memory_id in ranked[:excess]]
+            await archive(db, victims, f"cap: project over {cfg.project_memory_cap} memories, lowest value", report)
+
+    async def stale_tasks(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int],
+                          report: RunReport) -> None:
+        cutoff = now - cfg.stale_task_days * 86400
+        ids = await _ids(db, "SELECT id FROM memories WHERE kind = 'task' AND archived_at IS NULL AND updated < ?"
+                             " AND coalesce(json_extract(meta, '$.state'), 'draft') IN ('draft', 'active')", (cutoff,))
+        # An open task is itself in the working set; a stale one is exactly the open task nobody touches.
+        recent = await _ids(db, "SELECT id FROM memories WHERE kind = 'task' AND last_hit IS NOT NULL"
+                                " AND CAST(last_hit AS REAL) >= ?", (cutoff,))
+        await archive(db, sorted(ids - recent), f"stale task: untouched for {cfg.stale_task_days:g} days", report)
+
+    async def dangling_edges(self, db: aiosqlite.Connection, report: RunReport) -> None:
+        """Edges whose end is gone (an entity merged away, a row removed by hand): they point at nothing."""
+        cur = await db.execute(
+            "DELETE FROM edges WHERE (src_type = 'memory' AND src_id NOT IN (SELECT id FROM memories))"
+            " OR (dst_type = 'memory' AND dst_id NOT IN (SELECT id FROM memories))"
+            " OR (src_type = 'entity' AND src_id NOT IN (SELECT id FROM entities))"
+            " OR (dst_type = 'entity' AND dst_id NOT IN (SELECT id FROM entities))")
+        if cur.rowcount:
+            report.wrote("dangling_edges_removed", count=cur.rowcount)
+
+    async def purge_events(self, db: aiosqlite.Connection, cfg: Config, now: float, report: RunReport) -> None:
+        """Raw events past their TTL that the observer has passed: payload-less if cited, else removed."""
+        cutoff = now - cfg.event_ttl_days * 86400
+        passed = ("FROM events e JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
+                  " WHERE e.ts < ? AND e.id <= CAST(c.value AS INTEGER)")
+        cited = "EXISTS (SELECT 1 FROM memory_sources s WHERE s.event_id = e.id)"
+        cur = await db.execute(
+            f"UPDATE events SET payload = ? WHERE id IN (SELECT e.id {passed} AND {cited}"
+            f" AND e.payload != ? LIMIT ?)", (PURGED_PAYLOAD, cutoff, PURGED_PAYLOAD, PURGE_BATCH))
+        stripped = cur.rowcount
+        cur = await db.execute(f"DELETE FROM events WHERE id IN (SELECT e.id {passed} AND NOT {cited} LIMIT ?)",
+                               (cutoff, PURGE_BATCH))
+        if stripped or cur.rowcount:
+            report.wrote("events_purged", deleted=cur.rowcount, payload_dropped=stripped)

@@ -1,0 +1,157 @@
+"""The observer: a session's unobserved events -> observations, one chunk per transaction.
+
+Due when a session has `observe_after_tokens` of unobserved events, when it ended, compacted or went quiet
+(`observe_idle_s` without a new event), or when asked. The watermark `observer:<session>` is the last event id
+observed and moves only in the transaction that commits that chunk's observations.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from ..distill import ModelClient, ModelDistiller
+from ..errors import ModelError
+from .base import (
+    RunReport,
+    RunRequest,
+    WatermarkMoved,
+    WorkerContext,
+    get_int_checkpoint,
+    progress,
+    set_checkpoint,
+    write_observation,
+)
+from .rules import observe
+from .steps import SourceEvent
+
+log = logging.getLogger(__name__)
+
+CHUNK_EVENTS = 500
+CONTEXT_EVENTS = 200
+EVENT_COLUMNS = "id, session_id, kind, ts, agent, project, tool_name, tool_use_id, payload"
+
+
+def watermark_name(session_id: str) -> str:
+    return f"observer:{session_id}"
+
+
+class Observer:
+    name = "observer"
+
+    async def due_sessions(self, ctx: WorkerContext, woken: frozenset[str]) -> list[str]:
+        cfg = ctx.config()
+        idle_before = time.time() - cfg.observe_idle_s
+        rows = await ctx.store.fetchall(
+            "SELECT s.id, s.ended, coalesce(CAST(c.value AS INTEGER), 0) AS wm,"
+            " (SELECT coalesce(sum(e.tokens), 0) FROM events e WHERE e.session_id = s.id"
+            "   AND e.id > coalesce(CAST(c.value AS INTEGER), 0)) AS pending,"
+            " (SELECT max(e.received) FROM events e WHERE e.session_id = s.id) AS last_received"
+            " FROM sessions s LEFT JOIN checkpoints c ON c.name = 'observer:' || s.id")
+        due = []
+        for row in rows:
+            if not row["pending"]:
+                continue
+            quiet = row["last_received"] is not None and row["last_received"] < idle_before
+            if (row["id"] in woken or row["ended"] is not None or quiet
+                    or row["pending"] >= cfg.observe_after_tokens):
+                due.append(str(row["id"]))
+        return due
+
+    async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
+        sessions = [req.session_id] if req.session_id else await self.due_sessions(ctx, req.keys)
+        model = self._model(ctx, report)
+        for session_id in sessions:
+            await self.observe_session(ctx, session_id, req, report, model)
+
+    def _model(self, ctx: WorkerContext, report: RunReport) -> ModelDistiller | None:
+        cfg = ctx.config()
+        try:
+            client = ModelClient.from_config(cfg)
+        except ModelError as exc:
+            report.detail["model"] = f"misconfigured, rules used: {exc}"
+            return None
+        return None if client is None else ModelDistiller(client, cfg.model_daily_tokens, ctx.store)
+
+    async def _final(self, ctx: WorkerContext, session_id: str, req: RunRequest) -> bool:
+        if req.final is not None:
+            return req.final
+        row = await ctx.store.fetchone(
+            "SELECT s.ended, (SELECT max(received) FROM events WHERE session_id = s.id) FROM sessions s"
+            " WHERE s.id = ?", (session_id,))
+        if row is None:
+            return False
+        return row[0] is not None or (row[1] is not None and row[1] < time.time() - ctx.config().observe_idle_s)
+
+    async def _context(self, ctx: WorkerContext, session_id: str, watermark: int,
+                       events: list[SourceEvent]) -> list[SourceEvent]:
+        """Earlier events of the session: pairing a result with its call, and the history of failures."""
+        rows = await ctx.store.fetchall(
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND id <= ? ORDER BY id DESC LIMIT ?",
+            (session_id, watermark, CONTEXT_EVENTS))
+        context = [SourceEvent.from_row(r) for r in reversed(rows)]
+        have = {e.id for e in context} | {e.id for e in events}
+        wanted = {f"tu:{e.tool_use_id}" for e in events if e.kind == "tool_result" and e.tool_use_id}
+        if wanted:
+            marks = ",".join("?" * len(wanted))
+            rows = await ctx.store.fetchall(
+                f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND dedup IN ({marks})",
+                (session_id, *sorted(wanted)))
+            context.extend(SourceEvent.from_row(r) for r in rows if r["id"] not in have)
+        return sorted(context, key=lambda e: e.id)
+
+    async def observe_session(self, ctx: WorkerContext, session_id: str, req: RunRequest, report: RunReport,
+                              model: ModelDistiller | None) -> None:
+        session = await ctx.store.fetchone("SELECT project, agent FROM sessions WHERE id = ?", (session_id,))
+        if session is None:
+            return
+        project, agent = session["project"], session["agent"]
+        final = await self._final(ctx, session_id, req)
+        watermark = await get_int_checkpoint(ctx.store.reader, watermark_name(session_id))
+        wrote = 0
+        while True:
+            rows = await ctx.store.fetchall(
+                f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?",
+                (session_id, watermark, CHUNK_EVENTS))
+            if not rows:
+                break
+            events = [SourceEvent.from_row(r) for r in rows]
+            last_chunk = len(rows) < CHUNK_EVENTS
+            # A session's first line may carry no cwd (a transcript `summary`): its events know the project better.
+            known = Counter(e.project for e in events if e.project and e.project != "unknown")
+            project = known.most_common(1)[0][0] if known else project
+            context = await self._context(ctx, session_id, watermark, events)
+            observations, origin = None, "observer"
+            if model is not None:
+                observations = await model.observe(events, context)
+                if observations is None:
+                    report.note("model_fallback", model.last_error)
+                else:
+                    origin = "observer:model"
+            if observations is None:
+                observations = observe(events, context, final=final and last_chunk)
+            new_ids: list[int] = []
+            async with ctx.write(req.dry_run) as db:
+                if await get_int_checkpoint(db, watermark_name(session_id)) != watermark:
+                    raise WatermarkMoved(f"session {session_id}: the observer watermark moved during this run")
+                for obs in observations:
+                    memory_id, is_new = await write_observation(db, obs, project=project, session_id=session_id,
+                                                                agent=agent, origin=origin)
+                    if is_new:
+                        new_ids.append(memory_id)
+                    report.wrote("observation" if is_new else "observation_seen_again", id=memory_id,
+                                 session_id=session_id, type=obs.type, text=obs.text, sources=obs.sources)
+                if new_ids and not req.dry_run:
+                    await ctx.after_write(db, new_ids)
+                await set_checkpoint(db, watermark_name(session_id), str(events[-1].id))
+                await progress(db, report, len(events), len(observations))
+            report.items_in += len(events)
+            report.note("sessions", session_id)
+            wrote += len(new_ids)
+            watermark = events[-1].id
+            if last_chunk:
+                break
+        if wrote and not req.dry_run:
+            ctx.wake("reflector", project)
+

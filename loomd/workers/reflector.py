@@ -1,0 +1,331 @@
+"""The reflector: observations -> durable memories, merged with what the project already holds.
+
+What is promoted (rules, deterministic):
+- every user constraint and preference, at once (kinds `constraint` / `preference`);
+- decisions that carry a reason, a user's choice, or a commit (kind `decision`);
+- pitfalls — a failure and what fixed it — and findings (kind `insight`);
+- procedures seen working more than once, counting every session (kind `procedure`);
+- errors that recur across sessions (kind `insight`), and work left unfinished at a session's end (`handoff`).
+
+Each promotion first looks for a memory that says the same thing (same kind, same polarity; embedding cosine when
+both have vectors, else content-word overlap plus shared entities). If one exists the observation becomes one more
+`supports` edge on it (hits + 1, updated); if not, a new memory is written with the observation as its first
+support. A newer decision that replaces an older one `supersedes` it (edge + `superseded_by`; the old one stays);
+a rule or preference that says the opposite of an existing one is linked by `contradicts`, never overwritten.
+The watermark `reflector:<project>` (the last observation id reflected) moves in the same transaction.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiosqlite
+
+from ..embed import from_blob
+from ..memories import content_hash, insert_memory
+from .base import (
+    REFLECTION_KINDS,
+    RunReport,
+    RunRequest,
+    WorkerContext,
+    add_edge,
+    add_sources,
+    entity_names,
+    get_int_checkpoint,
+    meta_of,
+    progress,
+    set_checkpoint,
+    sources_of,
+)
+from .text import RATIONALE, content_words, cosine, jaccard, polarity, text_key
+
+AT_ONCE = frozenset({"constraint", "preference", "pitfall", "decision", "todo"})
+SAME_JACCARD = 0.7
+# Short items of a list ("Unfinished: test the recorder" / "Unfinished: test the synth") differ by one word.
+SAME_JACCARD_BY_KIND = {"handoff": 0.85, "procedure": 0.85, "decision": 0.75}
+SAME_COSINE = 0.92
+_LABEL = re.compile(r"^(?:[A-Z][\w ()]{0,30}|Committed [0-9a-f]{7}):\s+")
+CONTRADICT_JACCARD = 0.5
+HANDOFF_TTL_S = 30 * 86400
+MAX_OBSERVATIONS = 1000
+REPLACES = re.compile(
+    r"\b(instead of|rather than|switch(?:ed|ing)? (?:from|to|back)|replac(?:e|ed|es|ing)|no longer|"
+    r"migrat(?:e|ed|ing) (?:to|from|off)|now use|moved? (?:to|from|off)|drop(?:ped|ping)?|in favou?r of|"
+    r"not .{1,30} anymore|supersed\w+)\b", re.IGNORECASE)
+_CHOICE = re.compile(r'^User chose "(.+)" for: (.+)$')
+
+
+@dataclass
+class Mem:
+    """A memory as the reflector compares it."""
+
+    id: int
+    kind: str
+    text: str
+    created: float
+    session_id: str | None
+    agent: str | None
+    importance: float
+    hits: int
+    meta: dict[str, Any]
+    words: frozenset[str] = frozenset()
+    entities: frozenset[str] = frozenset()
+    vec: list[float] | None = None
+    hash: str = ""
+
+    @classmethod
+    def from_row(cls, row: Any, vec: list[float] | None = None) -> Mem:
+        meta = meta_of(row)
+        names: list[Any] = meta["entities"] if isinstance(meta.get("entities"), list) else entity_names(row["text"])
+        return cls(int(row["id"]), row["kind"], row["text"], float(row["created"]), row["session_id"],
+                   row["agent"], float(row["importance"]), int(row["hits"]), meta, words_of(row["text"]),
+                   frozenset(map(str, names)), vec, content_hash(row["text"]))
+
+    @property
+    def type(self) -> str:
+        return str(self.meta.get("type") or self.kind)
+
+
+def words_of(text: str) -> frozenset[str]:
+    """Content words without a leading label ("Works:", "Unfinished (pending):"): labels are not meaning."""
+    return content_words(_LABEL.sub("", text, count=1))
+
+
+def same_meaning(a: Mem, b: Mem) -> bool:
+    """Do two memories say the same thing (so one should support the other)?"""
+    if a.hash == b.hash:
+        return True
+    if polarity(a.text) != polarity(b.text):
+        return False
+    choice_a, choice_b = _CHOICE.match(a.text), _CHOICE.match(b.text)
+    if choice_a and choice_b and choice_a.group(1).lower() != choice_b.group(1).lower():
+        return False  # one question, two different answers: a change of mind, not a repeat
+    overlap = jaccard(a.words, b.words)
+    if a.vec is not None and b.vec is not None and cosine(a.vec, b.vec) >= SAME_COSINE and overlap >= 0.3:
+        return True
+    threshold = SAME_JACCARD_BY_KIND.get(a.kind if a.kind != "observation" else b.kind, SAME_JACCARD)
+    return overlap + 0.05 * min(2, len(a.entities & b.entities)) >= threshold
+
+
+def contradicts(new: Mem, old: Mem) -> bool:
+    """The same subject with the opposite polarity: "always use tabs" against "never use tabs"."""
+    if polarity(new.text) == polarity(old.text):
+        return False
+    overlap = jaccard(new.words, old.words)
+    if new.vec is not None and old.vec is not None and cosine(new.vec, old.vec) >= 0.85 and overlap >= 0.4:
+        return True
+    return overlap >= CONTRADICT_JACCARD
+
+
+def supersedes(new: Mem, old: Mem) -> bool:
+    """Does decision `new` replace decision `old` (same subject, a newer choice)?"""
+    if (new.created, new.id) <= (old.created, old.id) or same_meaning(new, old):
+        return False
+    if new.text.startswith("Committed") or old.text.startswith("Committed"):
+        return False  # a commit records what happened; it does not revoke an earlier one
+    a, b = _CHOICE.match(new.text), _CHOICE.match(old.text)
+    if a and b:
+        return jaccard(content_words(a.group(2)), content_words(b.group(2))) >= 0.8 and a.group(1) != b.group(1)
+    shared = new.words & old.words
+    related = len(shared) >= 2 and (jaccard(new.words, old.words) >= 0.2 or bool(new.entities & old.entities))
+    return related and bool(REPLACES.search(new.text))
+
+
+@dataclass
+class Pool:
+    """The project's durable memories (and the ones this run creates), by kind."""
+
+    by_kind: dict[str, list[Mem]] = field(default_factory=dict)
+
+    def add(self, mem: Mem) -> None:
+        self.by_kind.setdefault(mem.kind, []).append(mem)
+
+    def find_same(self, kind: str, mem: Mem) -> Mem | None:
+        # A rule and a preference are one family: capture may have filed the same sentence under the other.
+        kinds = ("constraint", "preference") if kind in ("constraint", "preference") else (kind,)
+        return next((m for k in kinds for m in self.by_kind.get(k, []) if same_meaning(mem, m)), None)
+
+    def of(self, kind: str) -> list[Mem]:
+        return self.by_kind.get(kind, [])
+
+
+def target_kind(obs: Mem) -> str | None:
+    """The kind an observation is promoted to at once, or None (procedures and errors need company first)."""
+    kind = obs.type
+    if kind in ("constraint", "preference"):
+        return kind
+    if kind == "decision":
+        reasoned = obs.meta.get("by") == "user" or "commit" in obs.meta or obs.text.startswith("Committed")
+        return "decision" if reasoned or RATIONALE.search(obs.text) else None
+    if kind in ("pitfall", "finding"):
+        return "insight"
+    if kind == "todo":
+        return "handoff"
+    return None
+
+
+def _error_key(text: str) -> str:
+    text = re.sub(r"`[^`]*`", " ", text)
+    text = re.sub(r"(/[\w.\-]+)+|\b0x[0-9a-f]+\b|\b\d+\b", " ", text.lower())
+    return text_key(text)
+
+
+class Reflector:
+    name = "reflector"
+
+    async def due_projects(self, ctx: WorkerContext, woken: frozenset[str]) -> list[str]:
+        cfg = ctx.config()
+        quiet_before = time.time() - cfg.observe_idle_s
+        rows = await ctx.store.fetchall(
+            "SELECT m.project, sum(m.tokens), max(m.created), max(m.updated),"
+            " sum(json_extract(m.meta, '$.type') IN ('constraint', 'preference', 'pitfall', 'decision', 'todo'))"
+            " FROM memories m LEFT JOIN checkpoints c ON c.name = 'reflector:' || m.project"
+            " WHERE m.kind = 'observation' AND m.id > coalesce(CAST(c.value AS INTEGER), 0) GROUP BY m.project")
+        return [r[0] for r in rows
+                if r[0] in woken or r[1] >= cfg.reflect_after_tokens or r[4] or r[3] < quiet_before]
+
+    async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
+        if req.project:
+            projects = [req.project]
+        elif req.session_id:
+            rows = await ctx.store.fetchall("SELECT DISTINCT project FROM memories WHERE session_id = ?"
+                                            " AND kind = 'observation'", (req.session_id,))
+            projects = [r[0] for r in rows]
+        else:
+            projects = await self.due_projects(ctx, req.keys)
+        for project in projects:
+            wrote = 0
+            async with ctx.write(req.dry_run) as db:
+                wrote = await self.reflect(ctx, db, project, report, req.dry_run)
+            report.note("projects", project)
+            if wrote and not req.dry_run:
+                ctx.wake("digest", project)
+                ctx.wake("dropper", project)
+
+    async def _vectors(self, db: aiosqlite.Connection, ids: Sequence[int]) -> dict[int, list[float]]:
+        """Embeddings where the retrieval side has computed them (one model only); empty when none exist."""
+        if not ids:
+            return {}
+        out: dict[int, list[float]] = {}
+        for i in range(0, len(ids), 500):
+            part = list(ids[i:i + 500])
+            marks = ",".join("?" * len(part))
+            async with db.execute(f"SELECT memory_id, model, vec FROM memory_vectors WHERE memory_id IN ({marks})",
+                                  part) as cur:
+                rows = await cur.fetchall()
+            models = {r[1] for r in rows}
+            for row in rows:
+                if len(models) == 1 and row[2]:
+                    out[int(row[0])] = from_blob(row[2])
+        return out
+
+    async def _load(self, db: aiosqlite.Connection, sql: str, params: Iterable[Any]) -> list[Any]:
+        async with db.execute(sql, tuple(params)) as cur:
+            return list(await cur.fetchall())
+
+    async def reflect(self, ctx: WorkerContext, db: aiosqlite.Connection, project: str, report: RunReport,
+                      dry_run: bool) -> int:
+        """Reflect one project's new observations; how many memories were written or merged into."""
+        watermark = await get_int_checkpoint(db, f"reflector:{project}")
+        fresh = await self._load(db, "SELECT * FROM memories WHERE project = ? AND kind = 'observation' AND id > ?"
+                                     " ORDER BY id LIMIT ?", (project, watermark, MAX_OBSERVATIONS))
+        if not fresh:
+            return 0
+        marks = ",".join("?" * len(REFLECTION_KINDS))
+        durable = await self._load(db, f"SELECT * FROM memories WHERE project = ? AND kind IN ({marks}) AND"
+                                       " archived_at IS NULL AND superseded_by IS NULL", (project, *REFLECTION_KINDS))
+        company = await self._load(
+            db, "SELECT * FROM memories WHERE project = ? AND kind = 'observation' AND archived_at IS NULL"
+                " AND json_extract(meta, '$.type') IN ('procedure', 'error') ORDER BY id DESC LIMIT 2000", (project,))
+        vectors = await self._vectors(db, [r["id"] for r in (*fresh, *durable)])
+        pool = Pool()
+        for row in durable:
+            pool.add(Mem.from_row(row, vectors.get(row["id"])))
+        peers = [Mem.from_row(r) for r in company]
+        new_ids: list[int] = []
+        changed = 0
+        for row in fresh:
+            obs = Mem.from_row(row, vectors.get(row["id"]))
+            if row["archived_at"] is not None:
+                continue
+            kind, members = target_kind(obs), [obs]
+            if kind is None and obs.type == "procedure":
+                members = [p for p in peers if p.type == "procedure" and text_key(p.text) == text_key(obs.text)]
+                members = members or [obs]
+                runs = sum(int(m.meta.get("runs", 1)) + m.hits for m in members)
+                kind = "procedure" if runs >= 2 else None
+            elif kind is None and obs.type == "error":
+                key = _error_key(obs.text)
+                members = [p for p in peers if p.type == "error" and _error_key(p.text) == key] or [obs]
+                kind = "insight" if len({m.session_id for m in members}) >= 2 else None
+            if kind is None:
+                continue
+            created, touched = await self.promote(db, project, kind, obs, members, pool, report)
+            changed += touched
+            if created is not None:
+                new_ids.append(created)
+        if new_ids and not dry_run:
+            await ctx.after_write(db, new_ids)
+        await set_checkpoint(db, f"reflector:{project}", str(fresh[-1]["id"]))
+        await progress(db, report, len(fresh), len(new_ids))
+        report.items_in += len(fresh)
+        return changed
+
+    async def promote(self, db: aiosqlite.Connection, project: str, kind: str, obs: Mem, members: list[Mem],
+                      pool: Pool, report: RunReport) -> tuple[int | None, bool]:
+        """Merge `members` into a memory that says the same, or write a new one: (new id or None, changed)."""
+        now = time.time()
+        target = pool.find_same(kind, obs)
+        events = await sources_of(db, [m.id for m in members])
+        if target is not None:
+            added = [m.id for m in members if await add_edge(db, m.id, target.id, "supports")]
+            if added:
+                await db.execute(
+                    "UPDATE memories SET hits = hits + ?, updated = ?, importance = max(importance, ?),"
+                    " meta = json_set(meta, '$.last_seen', ?) WHERE id = ?",
+                    (len(added), now, obs.importance, max(m.created for m in members), target.id))
+                await add_sources(db, target.id, events)
+            links = await self.link(db, target, pool, now)
+            if added or any(links.values()):
+                report.wrote("merge", id=target.id, kind=target.kind, text=target.text, supports=added,
+                             **{k: v for k, v in links.items() if v})
+            return None, bool(added)
+        text = obs.text
+        if kind == "insight" and obs.type == "error":
+            text = f"Recurring error: {obs.text}"
+        meta = {"type": obs.type, "key": text_key(text), "supports": len(members)}
+        expires = max(now, obs.created) + HANDOFF_TTL_S if kind == "handoff" else None
+        created = max(m.created for m in members)
+        memory_id, is_new = await insert_memory(
+            db, kind=kind, text=text, project=project, scope="project", agent=obs.agent,
+            importance=max(m.importance for m in members), tags=[obs.type], created=created, expires=expires,
+            origin="reflector", meta=meta, sources=events)
+        for member in members:
+            await add_edge(db, member.id, memory_id, "supports")
+        fresh = Mem(memory_id, kind, text, created, None, obs.agent, obs.importance, 0, meta, words_of(text),
+                    obs.entities, obs.vec, content_hash(text))
+        links = await self.link(db, fresh, pool, now)
+        pool.add(fresh)
+        report.wrote("reflection" if is_new else "merge", id=memory_id, kind=kind, text=text,
+                     supports=[m.id for m in members], **{k: v for k, v in links.items() if v})
+        return (memory_id if is_new else None), True
+
+    async def link(self, db: aiosqlite.Connection, mem: Mem, pool: Pool, now: float) -> dict[str, list[int]]:
+        """`supersedes` older decisions `mem` replaces; `contradicts` rules it says the opposite of."""
+        links: dict[str, list[int]] = {"supersedes": [], "contradicts": []}
+        family = ("constraint", "preference") if mem.kind in ("constraint", "preference") else (mem.kind,)
+        for old in [m for k in family for m in pool.of(k) if m.id != mem.id]:
+            if mem.kind == "decision" and supersedes(mem, old):
+                if await add_edge(db, mem.id, old.id, "supersedes"):
+                    links["supersedes"].append(old.id)
+                await db.execute("UPDATE memories SET superseded_by = ?, updated = ? WHERE id = ?"
+                                 " AND superseded_by IS NULL", (mem.id, now, old.id))
+                pool.by_kind[old.kind].remove(old)
+            elif mem.kind in ("constraint", "preference", "decision") and contradicts(mem, old):
+                if await add_edge(db, mem.id, old.id, "contradicts"):
+                    links["contradicts"].append(old.id)
+        return links

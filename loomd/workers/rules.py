@@ -1,0 +1,376 @@
+"""The observer's rules: walk a session's steps in order and note what a careful reader would keep.
+
+What the user asked for and insisted on, what was decided and why, what failed and what fixed it, what went green,
+what was committed, what the agent reported at the end of each turn, and — when the session is over — what was
+left open. Observations are anchored on new steps only; earlier steps (the context) serve pairing and history.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .steps import (
+    EDIT_TOOLS,
+    PLUMBING,
+    PR_URL,
+    PROCEDURE_COMMAND,
+    TEST_COMMAND,
+    TEST_FAILED,
+    Observation,
+    SourceEvent,
+    Step,
+    command_heads,
+    commit_subject,
+    first_error_line,
+    short_command,
+    test_summary,
+    to_steps,
+)
+from .text import (
+    ACK,
+    FILLER,
+    classify_assistant_sentence,
+    classify_user_sentence,
+    clip,
+    content_words,
+    jaccard,
+    sentences,
+    summary_sentence,
+    tick,
+    user_sentences,
+)
+
+TYPES = ("constraint", "preference", "goal", "decision", "finding", "progress", "error", "pitfall", "procedure",
+         "blocker", "todo", "topic")
+IMPORTANCE = {"constraint": 0.9, "preference": 0.85, "decision": 0.7, "pitfall": 0.75, "procedure": 0.65,
+              "finding": 0.6, "blocker": 0.6, "todo": 0.6, "goal": 0.55, "error": 0.5, "progress": 0.4, "topic": 0.3}
+
+
+
+_COMPACT_SECTIONS = {
+    "primary request and intent": "goal", "pending tasks": "todo", "current work": "progress",
+    "optional next step": "todo", "errors and fixes": "pitfall", "problem solving": "finding",
+}
+
+
+@dataclass
+class _Failure:
+    step: Step
+    line: str
+    at: int  # the lane's run counter when it failed
+    why: str = ""
+    tests_ran: bool = False  # the tests ran and some failed (not: the runner could not start)
+
+
+def _same_job(failed: str, fixed: str) -> bool:
+    """Is `fixed` another attempt at what `failed` tried (not just any later command sharing a program)?"""
+    core = failed.strip().split("\n", 1)[0]
+    if len(core) >= 3 and core in fixed:
+        return True
+    return jaccard(content_words(failed.split("<<", 1)[0]), content_words(fixed.split("<<", 1)[0])) >= 0.4
+
+
+@dataclass
+class _Lane:
+    """Per lane (main thread or one subagent) state while walking a session."""
+
+    failures: dict[str, _Failure] = field(default_factory=dict)
+    rejected: Step | None = None
+    rejected_left: int = 0
+    last_assistant: Step | None = None
+    awaiting_why: _Failure | None = None
+    created: list[tuple[str, Step]] = field(default_factory=list)
+    edited: list[tuple[str, Step]] = field(default_factory=list)
+    todos: tuple[Step, list[tuple[str, str]]] | None = None
+    runs: int = 0
+
+
+class RuleObserver:
+    """Walks context + new steps in order; emits observations anchored on new steps only."""
+
+    def __init__(self, new_ids: Iterable[int], final: bool) -> None:
+        self.new_ids = set(new_ids)
+        self.final = final
+        self.out: list[Observation] = []
+        self.lanes: dict[str, _Lane] = {}
+        self.procedures: dict[str, tuple[Step, int, str]] = {}  # command -> (last step, runs, summary)
+        self.goals_seen = 0
+
+    def is_new(self, step: Step) -> bool:
+        return step.ids[-1] in self.new_ids
+
+    def emit(self, kind: str, text: str, anchor: Step, sources: Iterable[Step] = (), **meta: Any) -> None:
+        if not self.is_new(anchor) or not text.strip():
+            return
+        ids = sorted({i for s in (anchor, *sources) for i in s.ids})
+        self.out.append(Observation(kind, clip(text), anchor.ts, ids, IMPORTANCE[kind],
+                                    {k: v for k, v in meta.items() if v not in (None, "", [])}))
+
+    def run(self, steps: Sequence[Step]) -> list[Observation]:
+        for step in steps:
+            lane = self.lanes.setdefault(step.lane, _Lane())
+            handler = getattr(self, f"on_{step.role}")
+            handler(step, lane)
+        for name, lane in self.lanes.items():
+            self.close_turn(lane, sidechain=name != "main")
+            if self.final:
+                self.open_todos(lane)
+        for command, (step, runs, summary) in self.procedures.items():
+            label = "Tests pass" if TEST_COMMAND.search(command) else "Works"
+            self.emit("procedure", f"{label}: {tick(command, 150)}", step, command=command, runs=runs,
+                      summary=summary)
+        return dedupe(self.out)
+
+    # --- turns ---------------------------------------------------------------------------------------------
+
+    def on_user(self, step: Step, lane: _Lane) -> None:
+        self.close_turn(lane, sidechain=step.lane != "main")
+        lane.rejected = None
+        found = user_sentences(step.text)
+        if step.lane != "main":
+            # A subagent's prompt is the parent agent's brief, not the user's voice: keep only what it asks.
+            brief = [s for s in found if not re.match(r"^(?:you are|you're|context\b)", s, re.IGNORECASE)]
+            if brief:
+                self.emit("goal", f"Subagent task: {' '.join(brief[:2])}", step, lane=step.lane)
+            return
+        classified = 0
+        for sentence in found:
+            kind = classify_user_sentence(sentence)
+            if kind:
+                classified += 1
+                self.emit(kind, sentence, step, by="user")
+        cleaned = " ".join(found)
+        if len(cleaned.split()) >= 5 and not ACK.match(cleaned) and classified < len(found):
+            self.emit("goal", f"User asked: {cleaned}", step)
+
+    def on_assistant(self, step: Step, lane: _Lane) -> None:
+        if lane.awaiting_why is not None:
+            first = summary_sentence(step.text)
+            if first and len(first) <= 140:
+                lane.awaiting_why.why = first
+            lane.awaiting_why = None
+        taken = 0
+        for sentence in sentences(step.text, prose_only=True):
+            kind = classify_assistant_sentence(sentence)
+            if kind and taken < 3:
+                taken += 1
+                self.emit(kind, FILLER.sub("", sentence), step, by="assistant")
+        lane.last_assistant = step
+        if step.final:
+            self.close_turn(lane, sidechain=step.lane != "main")
+
+    def close_turn(self, lane: _Lane, *, sidechain: bool) -> None:
+        """The end of a turn: what the last assistant message reports, which files it changed."""
+        last = lane.last_assistant
+        if last is not None:
+            report = summary_sentence(last.text)
+            said = {o.text.lower() for o in self.out}
+            if report and clip(report).lower() not in said:
+                prefix = "Subagent reported: " if sidechain else "Reported: "
+                self.emit("progress", prefix + report, last)
+        if lane.created:
+            paths = list(dict.fromkeys(p for p, _ in lane.created))
+            self.emit("progress", "Created " + ", ".join(paths[:6]), lane.created[-1][1],
+                      [s for _, s in lane.created], files=paths[:20])
+        if lane.edited:
+            paths = list(dict.fromkeys(p for p, _ in lane.edited))
+            self.emit("progress", "Edited " + ", ".join(paths[:6]), lane.edited[-1][1],
+                      [s for _, s in lane.edited], files=paths[:20])
+        lane.last_assistant, lane.created, lane.edited = None, [], []
+
+    def open_todos(self, lane: _Lane) -> None:
+        if lane.todos is None:
+            return
+        step, items = lane.todos
+        for status, text in items:
+            if status in ("pending", "in_progress"):
+                self.emit("todo", f"Unfinished ({status.replace('_', ' ')}): {text}", step)
+
+    def on_compact(self, step: Step, lane: _Lane) -> None:
+        """The agent's own compaction summary: its intent, open tasks, current work, errors and fixes."""
+        items: list[tuple[str, str]] = []  # (section, text); nested bullets fold into their parent
+        section, indent = "", -1
+        for raw in step.text.splitlines():
+            head = re.match(r"^\s*\d+\.\s+([A-Za-z ]+):?\s*$", raw)
+            if head:
+                section, indent = head.group(1).strip().lower(), -1
+                continue
+            bullet = re.match(r"^(\s*)[-*]\s+(.+)$", raw)
+            if not bullet or section not in _COMPACT_SECTIONS:
+                continue
+            depth, text = len(bullet.group(1)), bullet.group(2).strip().strip('"')
+            if indent < 0 or depth <= indent:
+                indent = depth
+                items.append((section, text))
+            elif items and items[-1][0] == section:
+                parent = items[-1][1]
+                items[-1] = (section, f"{parent} {text}" if parent.endswith(":") else f"{parent}; {text}")
+        counts: dict[str, int] = {}
+        for section, text in items:
+            if len(text) < 15 or re.match(r"^none\b", text, re.IGNORECASE) or counts.get(section, 0) >= 3:
+                continue
+            counts[section] = counts.get(section, 0) + 1
+            self.emit(_COMPACT_SECTIONS[section], f"Before compaction: {text}", step, section=section)
+        if not counts:
+            first = summary_sentence(step.text)
+            if first:
+                self.emit("progress", f"Compaction summary: {first}", step)
+
+    def on_summary(self, step: Step, lane: _Lane) -> None:
+        text = " ".join(step.text.split())
+        text = re.sub(r"\s*\(disable recaps in /config\)\s*$", "", text)
+        if len(text) > 100:
+            self.emit("progress", f"Recap: {text}", step)
+        else:
+            self.emit("topic", f"Session topic: {text}", step)
+
+    def on_marker(self, step: Step, lane: _Lane) -> None:
+        for sentence in user_sentences(step.text):
+            kind = classify_user_sentence(sentence) or "goal"
+            self.emit(kind, f"Compaction instructions: {sentence}", step, by="user")
+
+    # --- tool runs -----------------------------------------------------------------------------------------
+
+    def on_run(self, step: Step, lane: _Lane) -> None:
+        if step.rejected:
+            self.on_rejected(step, lane)
+            return
+        tool = step.tool
+        if lane.rejected is not None and not step.failed:
+            self.after_rejection(step, lane)
+        if tool == "AskUserQuestion":
+            for question, answer in re.findall(r'"([^"]{5,300})"="([^"]{1,200})"', step.text):
+                self.emit("decision", f'User chose "{answer}" for: {question}', step, by="user")
+            return
+        if tool == "ExitPlanMode":
+            if re.search(r"User has approved your plan", step.text):
+                plan = str(step.tool_input.get("plan") or "")
+                title = re.search(r"^#+\s*(?:Plan:\s*)?(.+)$", plan, re.MULTILINE)
+                self.emit("decision", f"Plan approved: {title.group(1) if title else clip(plan, 120)}", step,
+                          by="user")
+            return
+        if tool in ("TodoWrite", "update_plan"):
+            items = step.tool_input.get("todos") or step.tool_input.get("plan") or []
+            parsed = [(str(i.get("status", "")), str(i.get("content") or i.get("step") or ""))
+                      for i in items if isinstance(i, dict)]
+            lane.todos = (step, [(s, t) for s, t in parsed if t])
+            return
+        patch = str(step.tool_input.get("input", "")) + step.command
+        if (tool in EDIT_TOOLS or "*** Begin Patch" in patch) and not step.failed:
+            paths = re.findall(r"\*\*\* (Add|Update|Delete) File: (\S+)", patch)
+            path = str(step.tool_input.get("file_path") or step.tool_input.get("path") or "")
+            for verb, name in paths or [("Write" if tool == "Write" else "Update", path)]:
+                if not name:
+                    continue
+                created = verb == "Add" or (verb == "Write" and "created" in step.text.lower())
+                (lane.created if created else lane.edited).append((name, step))
+            return
+        if step.command:
+            self.on_command(step, lane)
+        elif step.failed and tool.startswith("mcp__"):
+            # Built-in tools fail mechanically (a stale edit, a missing file) and the agent retries; an
+            # integration failing says something about the environment.
+            line = first_error_line(step.text)
+            if line:
+                self.emit("error", f"{tool} failed: {line}", step, tool=tool)
+
+    def on_rejected(self, step: Step, lane: _Lane) -> None:
+        if lane.rejected is None and "right now" not in step.text[:200]:
+            lane.rejected, lane.rejected_left = step, 6
+
+    def after_rejection(self, step: Step, lane: _Lane) -> None:
+        rejected = lane.rejected
+        assert rejected is not None
+        lane.rejected_left -= 1
+        if lane.rejected_left <= 0:
+            lane.rejected = None
+            return
+        if rejected.tool != step.tool or not rejected.command or not step.command:
+            return
+        before, after = command_heads(rejected.command), command_heads(step.command)
+        words_before, words_after = content_words(rejected.command), content_words(step.command)
+        if before & after or jaccard(words_before, words_after) >= 0.3 or {
+                h.split()[-1] for h in before} & {h.split()[-1] for h in after}:
+            self.emit("preference", f"User rejected {tick(short_command(rejected.command, 60))}; "
+                                    f"{tick(short_command(step.command, 60))} was used instead", step, [rejected],
+                      by="user")
+            lane.rejected = None
+
+    def on_command(self, step: Step, lane: _Lane) -> None:
+        lane.runs += 1
+        command, heads = step.command, command_heads(step.command)
+        plumbing = bool(PLUMBING.match(command))
+        is_test = bool(TEST_COMMAND.search(command.split("<<", 1)[0]))
+        if plumbing and step.failed:
+            return  # `ls` of a missing folder, an empty grep: looking around, not a failure worth keeping
+        if step.failed or (is_test and TEST_FAILED.search(test_summary(step.text) or "")):
+            line = first_error_line(step.text)
+            ran = is_test and bool(test_summary(step.text))
+            if ran:
+                failing = re.search(r"^FAILED (\S+)", step.text, re.MULTILINE)
+                line = clip(f"{test_summary(step.text)} {failing.group(1) if failing else ''}".strip(), 120)
+            failure = _Failure(step, line, lane.runs, tests_ran=ran)
+            for head in heads or {command}:
+                lane.failures.setdefault(head, failure)
+            lane.awaiting_why = failure
+            if not plumbing and line:
+                self.emit("error", f"{tick(short_command(command, 70))} failed: {line}", step, command=command)
+            return
+        fixed = next((lane.failures[h] for h in heads if h in lane.failures), None)
+        if fixed is not None and (lane.runs - fixed.at > 12 or not _same_job(fixed.step.command, command)):
+            fixed = None  # a later command of the same program, not another go at the failed one
+        for head, failure in list(lane.failures.items()):
+            if failure is fixed or lane.runs - failure.at > 12:
+                del lane.failures[head]
+        filtered = bool(re.search(r"\|\s*(?:grep|rg|head|tail)\b", command))
+        summary = test_summary(step.text) if is_test and not filtered else ""
+        if fixed is not None and not plumbing:
+            if is_test and filtered:
+                pass  # the output was cut by a pipe: it proves nothing about the tests
+            elif is_test and fixed.tests_ran:
+                self.emit("progress", f"Tests green: {tick(short_command(command, 70))}"
+                                      f"{' (' + summary + ')' if summary else ''}; was failing: {fixed.line}",
+                          step, [fixed.step], command=command)
+            elif short_command(fixed.step.command) != short_command(command):
+                why = f" ({fixed.why})" if fixed.why else ""
+                self.emit("pitfall", f"{tick(short_command(fixed.step.command, 50))} failed ({clip(fixed.line, 70)}); "
+                                     f"{tick(short_command(command, 70))} worked{why}", step, [fixed.step],
+                          failed=fixed.step.command, fixed=command)
+        commit = commit_subject(command, step.text)
+        if commit:
+            sha, subject = commit
+            self.emit("decision", f"Committed{' ' + sha if sha else ''}: {subject}", step, commit=sha or None)
+            return
+        url = PR_URL.search(step.text) if re.search(r"\bgh\s+pr\s+create\b", command) else None
+        if url:
+            self.emit("progress", f"Opened pull request {url.group(0)}", step)
+            return
+        first_line = command.split("<<", 1)[0]
+        if (not plumbing and not filtered and len(first_line) <= 160
+                and (is_test or PROCEDURE_COMMAND.search(first_line))):
+            key = short_command(command, 150)
+            _, runs, _ = self.procedures.get(key, (step, 0, ""))
+            self.procedures[key] = (step, runs + 1, summary)
+
+
+def dedupe(observations: Sequence[Observation]) -> list[Observation]:
+    """One observation per (type, text) within a pass; sources merge."""
+    out: dict[tuple[str, str], Observation] = {}
+    for obs in observations:
+        key = (obs.type, obs.text.lower())
+        if key in out:
+            merged = out[key]
+            merged.sources = sorted(set(merged.sources) | set(obs.sources))
+        else:
+            out[key] = obs
+    return list(out.values())
+
+
+def observe(events: Sequence[SourceEvent], context: Sequence[SourceEvent] = (), *,
+            final: bool = False) -> list[Observation]:
+    """The rule-based observer: observations for `events`, with `context` (earlier events) for pairing only."""
+    steps = to_steps([*context, *events])
+    return RuleObserver((e.id for e in events), final).run(steps)

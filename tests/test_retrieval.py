@@ -1,0 +1,256 @@
+"""Retrieval end to end: a real daemon, the real local model, hand-made memories; each signal moves ranking the
+expected way, fusion is deterministic, user text is never FTS syntax, filters hold, and a broken model is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import wait_for_socket
+
+from loomd.client import AsyncClient, RemoteError
+from loomd.config import load_config
+from loomd.daemon import Daemon
+from loomd.embed import MODEL_SHA256, default_model_path
+from loomd.memories import insert_memory
+
+DAY = 86400.0
+NOW = 1_750_000_000.0
+
+
+async def caught_up(client: AsyncClient, within_s: float = 30.0) -> dict[str, Any]:
+    """Wait until the back-fill has embedded everything stored so far."""
+    for _ in range(int(within_s / 0.02)):
+        status = (await client.call("status"))["embedder"]
+        if status["caught_up"] and status["state"] != "loading":
+            return status
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"embedder never caught up: {status}")
+
+
+async def store_all(client: AsyncClient, texts: list[str], **common: Any) -> list[int]:
+    ids = []
+    for text in texts:
+        ids.append((await client.call("store", text=text, project=common.get("project", "p"),
+                                      **{k: v for k, v in common.items() if k != "project"}))["id"])
+    return ids
+
+
+async def search(client: AsyncClient, query: str, **args: Any) -> list[dict[str, Any]]:
+    args.setdefault("project", "p")
+    return (await client.call("search", query=query, explain=True, **args))["results"]
+
+
+def ids_of(results: list[dict[str, Any]]) -> list[int]:
+    return [r["id"] for r in results]
+
+
+async def test_keyword_and_semantic_signals(client: AsyncClient) -> None:
+    ids = await store_all(client, [
+        "pytest fails on tests/test_embed.py with ImportError: no module named onnxruntime",
+        "My kid really enjoys painting the sunset on weekends.",
+        "The deploy uses rsync to the staging host.",
+        "Bananas are rich in potassium.",
+    ])
+    status = await caught_up(client)
+    assert status["state"] == "ready" and status["vectors"] == 4 and status["model"] == "all-minilm-l6-v2-int8"
+    keyword = await search(client, "ImportError onnxruntime", mode="keyword")
+    assert ids_of(keyword) == [ids[0]] and keyword[0]["explain"]["fts"]["rank"] == 1
+    # A paraphrase with no shared word: keywords find nothing, vectors find it first.
+    assert await search(client, "my daughter loves art", mode="keyword") == []
+    semantic = await search(client, "my daughter loves art", mode="semantic")
+    assert ids_of(semantic)[0] == ids[1] and 0.3 < semantic[0]["explain"]["vec"]["score"] <= 1.0
+    hybrid = await search(client, "my daughter loves art")
+    assert ids_of(hybrid)[0] == ids[1]
+    first = hybrid[0]
+    assert {"id", "kind", "created", "text", "tokens", "score"} <= set(first) and first["tokens"] > 0
+
+
+async def test_neighbour_column_finds_the_answer_to_a_question(client: AsyncClient) -> None:
+    """'Yes, last week!' is found through the question before it (the FTS context column), not without it."""
+    texts = ["Melanie: Did you finally go to the pottery class?", "Caroline: Yes, last week! I loved it.",
+             "Melanie: Great, what else is new?", "Caroline: Not much, work is busy."]
+    ids = []
+    for i, text in enumerate(texts):
+        ids.append((await client.call("store", text=text, project="p", session_id="s1", created=NOW + i))["id"])
+    await store_all(client, ["Caroline: I bought new shoes."], session_id="s2", created=NOW + DAY)
+    await caught_up(client)
+    found = await search(client, "pottery class", mode="keyword")
+    assert ids_of(found)[:2] == [ids[0], ids[1]]
+    plain = await search(client, "pottery class", mode="keyword", tuning={"ctx_weight": 0.0})
+    assert ids_of(plain) == [ids[0]]
+    # Mixed vectors carry the neighbours too: the answer turn is closer to the query than with raw vectors.
+    mixed = {r["id"]: r["explain"]["vec"]["score"] for r in await search(client, "pottery class", mode="semantic")}
+    raw = {r["id"]: r["explain"]["vec"]["score"]
+           for r in await search(client, "pottery class", mode="semantic", tuning={"mixed": False})}
+    assert mixed[ids[1]] > raw[ids[1]]
+
+
+async def test_graph_signal_follows_entities(client: AsyncClient) -> None:
+    ids = await store_all(client, [
+        "Changed the cache in loomd/embed.py so models load once",
+        "Refactored the cache layer of the web frontend",
+        "Wrote notes about caching strategies",
+        "loomd/embed.py: the sha256 check reads the file once",
+    ])
+    await caught_up(client)
+    graph = await search(client, "what happened to loomd/embed.py?", weights={"fts": 0, "vec": 0})
+    assert set(ids_of(graph)) == {ids[0], ids[3]}
+    assert all("graph" in r["explain"] for r in graph)
+    # In the hybrid the entity lifts the memories that name it above the ones that only share words.
+    with_graph = ids_of(await search(client, "cache loomd/embed.py", weights={"graph": 5}))
+    assert set(with_graph[:2]) == {ids[0], ids[3]}
+    timeline = await client.call("timeline", entity="loomd/embed.py", project="p")
+    assert [m["id"] for m in timeline["memories"]] == [ids[0], ids[3]]
+
+
+async def test_recency_prefers_newer_among_equals(client: AsyncClient) -> None:
+    old = await store_all(client, ["The staging deploy uses rsync over ssh."], created=NOW - 300 * DAY)
+    new = await store_all(client, ["Deploying to staging: rsync over ssh."], created=NOW - DAY)
+    await caught_up(client)
+    alone = await search(client, "staging deploy rsync", weights={"fts": 0, "vec": 0, "graph": 0, "recurrence": 0})
+    assert ids_of(alone) == [new[0], old[0]]
+    assert alone[0]["explain"]["recency"]["score"] > alone[1]["explain"]["recency"]["score"]
+    heavy = ids_of(await search(client, "staging deploy rsync", weights={"recency": 10}))
+    assert heavy[0] == new[0]
+
+
+async def test_recurrence_prefers_what_comes_back_across_sessions(client: AsyncClient) -> None:
+    once = await store_all(client, ["The integration tests need the redis container running."], session_id="a")
+    again = []
+    for session in ("b", "c", "d"):
+        again += await store_all(client, [f"Flaky test: the websocket reconnect test times out on CI ({session})"],
+                                 session_id=session)
+    await caught_up(client)
+    alone = await search(client, "tests", weights={"fts": 0, "vec": 0, "graph": 0, "recency": 0})
+    assert set(ids_of(alone)) == set(again) and once[0] not in ids_of(alone)
+    assert all(r["explain"]["recurrence"]["score"] == 2 for r in alone)  # two other sessions each
+    boosted = ids_of(await search(client, "which tests are problematic", weights={"recurrence": 10}))
+    assert boosted[0] in again
+
+
+async def test_fusion_is_deterministic(client: AsyncClient) -> None:
+    await store_all(client, [f"note {i}: the build step {i % 3} runs ruff and pytest" for i in range(30)],
+                    session_id="s")
+    await caught_up(client)
+    first = await client.call("search", query="build step ruff", project="p", limit=30, explain=True)
+    for _ in range(3):
+        again = await client.call("search", query="build step ruff", project="p", limit=30, explain=True)
+        assert [(r["id"], r["score"]) for r in again["results"]] == [(r["id"], r["score"]) for r in first["results"]]
+    scores = [r["score"] for r in first["results"]]
+    assert scores == sorted(scores, reverse=True)
+    assert {"fts_ms", "embed_ms", "total_ms"} <= set(first["timings"])
+
+
+@pytest.mark.parametrize("query", [
+    'NOT pytest', '"unbalanced quote', 'py*', 'NEAR(pytest ruff, 2)', 'text:pytest', 'ctx:ruff OR', '{text}: x',
+    "AND OR NOT", "^pytest", "pytest -ruff +x", "'); DROP TABLE memories; --", "*", '"', "(", "",
+])
+async def test_fts_syntax_in_user_text_is_harmless(client: AsyncClient, query: str) -> None:
+    await store_all(client, ["pytest and ruff run in CI", "NOT a keyword here, near the text column"])
+    for mode in ("keyword", "hybrid"):
+        results = await search(client, query, mode=mode)
+        assert isinstance(results, list)
+    if "pytest" in query:
+        assert (await search(client, query, mode="keyword"))[0]["text"] == "pytest and ruff run in CI"
+
+
+async def test_filters_and_archive(client: AsyncClient, daemon: Daemon) -> None:
+    a = (await client.call("store", text="alpha uses postgres", project="p", kind="decision", session_id="s1",
+                           created=NOW - 10 * DAY))["id"]
+    b = (await client.call("store", text="beta uses postgres", project="p", kind="fact", session_id="s2",
+                           created=NOW))["id"]
+    c = (await client.call("store", text="gamma uses postgres", project="q", kind="fact", created=NOW))["id"]
+    u = (await client.call("store", text="I prefer postgres everywhere", scope="user", kind="preference"))["id"]
+    await caught_up(client)
+    for mode in ("keyword", "semantic", "hybrid"):
+        found = set(ids_of(await search(client, "postgres", mode=mode)))
+        assert found == {a, b, u}, mode  # user-scope memories follow the user into every project
+        assert set(ids_of(await search(client, "postgres", mode=mode, kind="decision"))) == {a}
+        assert set(ids_of(await search(client, "postgres", mode=mode, kind=["fact", "preference"]))) == {b, u}
+        assert set(ids_of(await search(client, "postgres", mode=mode, session_id="s2"))) == {b}
+        assert set(ids_of(await search(client, "postgres", mode=mode, since=NOW - DAY, scope="project"))) == {b}
+        assert set(ids_of(await search(client, "postgres", mode=mode, until=NOW - DAY))) == {a}
+        assert set(ids_of(await search(client, "postgres", mode=mode, project="q"))) == {c, u}
+    await client.call("forget", id=b)
+    for mode in ("keyword", "semantic", "hybrid"):
+        assert b not in ids_of(await search(client, "postgres", mode=mode))
+        archived = await search(client, "postgres", mode=mode, include_archived=True)
+        assert b in ids_of(archived) and archived[ids_of(archived).index(b)]["archived_at"] is not None
+    # timeline around a memory stays in its project; evidence shows source events
+    around = await client.call("timeline", id=a, after=5)
+    assert [m["id"] for m in around["memories"]] == [a, u] and around["memories"][0]["anchor"] is True
+    around = await client.call("timeline", id=b, before=5, include_archived=True)
+    assert [m["id"] for m in around["memories"]] == [a, b, u] and around["memories"][1]["anchor"] is True
+    event = await client.call("ingest", item={"session_id": "s9", "kind": "UserPromptSubmit",
+                                              "payload": {"prompt": "always use postgres 16 " + "x" * 900}})
+    async with daemon.store.atomic() as db:
+        sourced, _ = await insert_memory(db, kind="decision", text="use postgres 16", project="p",
+                                         sources=event["ids"])
+        await daemon.after_memory_write(db, [sourced])
+    shown = (await client.call("evidence", id=sourced, max_chars=100))["memories"][0]
+    assert shown["events_total"] == 1 and shown["events"][0]["text"].startswith("always use postgres 16")
+    assert shown["events"][0]["truncated"] is True and len(shown["events"][0]["text"]) == 100
+    with pytest.raises(RemoteError) as err:
+        await client.call("evidence", id=999)
+    assert err.value.code == "not_found"
+
+
+@pytest.mark.parametrize("args", [
+    {"weights": {"bm25": 1}}, {"weights": {"fts": -1}}, {"weights": {"vec": "high"}}, {"tuning": {"rrf_k": 1.5}},
+    {"tuning": {"mixed": 1}}, {"tuning": {"nope": 1}}, {"mode": "fuzzy"},
+])
+async def test_bad_weights_and_tuning_are_refused(client: AsyncClient, args: dict[str, Any]) -> None:
+    with pytest.raises(RemoteError) as err:
+        await client.call("search", query="x", **args)
+    assert err.value.code == "bad_request"
+
+
+async def test_stale_vectors_are_back_filled(client: AsyncClient, daemon: Daemon) -> None:
+    """A changed text gets a new vector (content hash), a vector of another model is replaced."""
+    (memory_id,) = await store_all(client, ["the cache lives in redis"])
+    await caught_up(client)
+    async with daemon.store.atomic() as db:
+        await db.execute("UPDATE memories SET text = 'the cache lives in memcached', content_hash = 'changed'"
+                         " WHERE id = ?", (memory_id,))
+        await daemon.after_memory_write(db, [memory_id])
+    daemon.memories_changed()
+    await caught_up(client)
+    row = await daemon.store.fetchone("SELECT content_hash FROM memory_vectors WHERE memory_id = ?", (memory_id,))
+    assert row is not None and row[0] == "changed"
+    assert ids_of(await search(client, "memcached", mode="semantic"))[0] == memory_id
+
+
+async def test_wrong_model_file_leaves_full_text_search_and_says_so(
+    home: Path, sock_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = tmp_path / "model.onnx"
+    shutil.copyfile(default_model_path(), bad)
+    with bad.open("r+b") as f:
+        f.seek(4096)
+        f.write(b"\0\0\0\0")
+    monkeypatch.setenv("LOOMD_EMBED_MODEL_PATH", str(bad))
+    d = Daemon(load_config())
+    task = asyncio.create_task(d.serve())
+    await wait_for_socket(sock_path)
+    try:
+        async with AsyncClient(sock_path) as client:
+            await client.call("store", text="we deploy with rsync", project="p")
+            status = await caught_up(client)
+            assert status["state"] == "failed" and "full-text" in status["note"]
+            assert f"expected {MODEL_SHA256}" in status["error"] and str(bad) in status["error"]
+            assert ids_of(await search(client, "rsync"))  # keywords still work in hybrid mode
+            semantic = await client.call("search", query="rsync", project="p", mode="semantic")
+            assert semantic["results"] == [] and "embedder failed" in semantic["notes"][0]
+            from loomd.doctor import run_checks
+
+            findings = {f.name: f for f in await asyncio.to_thread(run_checks)}
+            assert findings["embedder"].status == "FAIL" and "sha256" in findings["embedder"].detail
+    finally:
+        d.should_exit.set()
+        await asyncio.wait_for(task, 30)
+    assert os.environ["LOOMD_EMBED_MODEL_PATH"] == str(bad)

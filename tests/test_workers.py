@@ -1,0 +1,529 @@
+"""The memory workers through a real daemon: scheduling, watermarks, crashes, reflection, dropper, digest, GC."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import signal
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from conftest import need_test_data, wait_for_socket
+
+from loomd.cli import main as cli_main
+from loomd.client import AsyncClient, Client
+from loomd.config import load_config
+from loomd.daemon import Daemon
+from loomd.store import connect_sync
+from loomd.workers.digest import budgets, render_digest
+
+PROJECT = "proj-w"
+_n = itertools.count(1)
+# A trigger that makes every observation insert take a while: a real slow write, to stop a run mid-transaction.
+SLOW_TRIGGER = (
+    "CREATE TRIGGER slow_obs AFTER INSERT ON memories WHEN new.kind = 'observation' BEGIN"
+    " SELECT count(*) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 400000)"
+    " SELECT x FROM c); END"
+)
+
+
+@asynccontextmanager
+async def loomd(monkeypatch: pytest.MonkeyPatch, home: Path, **env: Any) -> AsyncIterator[tuple[Daemon, AsyncClient]]:
+    """A real daemon in this loop with extra LOOMD_* settings (passive, no tailing, no embedder unless given)."""
+    settings = {"passive": True, "tail_transcripts": False, "embedder": "none", **env}
+    for name, value in settings.items():
+        monkeypatch.setenv(f"LOOMD_{name.upper()}", str(int(value) if isinstance(value, bool) else value))
+    d = Daemon(load_config())
+    task = asyncio.create_task(d.serve())
+    waiter = asyncio.create_task(wait_for_socket(home / "loomd.sock"))
+    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        waiter.cancel()
+        task.result()
+    try:
+        async with AsyncClient(home / "loomd.sock") as client:
+            yield d, client
+    finally:
+        d.should_exit.set()
+        await asyncio.wait_for(task, 30)
+
+
+def ev(session: str, kind: str, payload: dict[str, Any], ts: float, **extra: Any) -> dict[str, Any]:
+    n = next(_n)
+    return {"agent": "claude", "session_id": session, "kind": kind, "payload": payload, "ts": ts,
+            "project": PROJECT, "source": "transcript", "key": f"t:{session}:{n}", **extra}
+
+
+def user(session: str, text: str, ts: float) -> dict[str, Any]:
+    return ev(session, "user_message", {"text": text}, ts)
+
+
+def assistant(session: str, text: str, ts: float) -> dict[str, Any]:
+    return ev(session, "assistant_message", {"text": text}, ts)
+
+
+def shell(session: str, command: str, output: str, ts: float, failed: bool = False) -> list[dict[str, Any]]:
+    tid = f"toolu_{next(_n)}"
+    return [
+        ev(session, "tool_use", {"text": f"Bash: {command}", "tool_name": "Bash", "tool_input": {"command": command}},
+           ts, tool_name="Bash", tool_use_id=tid, dedup=f"tu:{tid}"),
+        ev(session, "tool_result", {"text": output, "is_error": failed}, ts + 1, tool_use_id=tid, dedup=f"tr:{tid}"),
+    ]
+
+
+def work_session(session: str, t0: float) -> list[dict[str, Any]]:
+    """A small but realistic session: a rule, a failing then passing test run, a fix, a commit, a report."""
+    return [
+        user(session, "Add retry to the uploader. From now on never use print for logging, use the logging module.",
+             t0),
+        assistant(session, "I'll use tenacity for the retries because it already handles jitter and backoff.", t0 + 2),
+        *shell(session, "pytest tests/test_upload.py", "FAILED tests/test_upload.py::test_retry - assert 0 == 3\n"
+               "=== 1 failed, 4 passed in 0.3s ===", t0 + 3, failed=True),
+        *shell(session, "pytest tests/test_upload.py", "=== 5 passed in 0.2s ===", t0 + 6),
+        *shell(session, 'git commit -m "Add retry with backoff to the uploader"',
+               "[main 1a2b3c4] Add retry with backoff to the uploader\n 2 files changed", t0 + 8),
+        assistant(session, "Done. The uploader now retries three times with exponential backoff.", t0 + 10),
+    ]
+
+
+async def ingest(client: AsyncClient, events: list[dict[str, Any]]) -> list[int]:
+    result = await client.call("ingest", events=events)
+    return result["ids"]
+
+
+async def memories(client: AsyncClient, **where: Any) -> list[dict[str, Any]]:
+    total = (await client.call("status"))["counts"]
+    count = total["memories"] + total["archived"]
+    if not count:
+        return []
+    items = (await client.call("detail", id=list(range(1, count + 1)), sources=True))["memories"]
+    return [m for m in items if all(m.get(k) == v for k, v in where.items())]
+
+
+async def db_rows(d: Daemon, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+    return await d.store.fetchall(sql, params)
+
+
+def essence(output: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What a run wrote, without ids or times: comparable between a dry run, a re-run and a fresh daemon."""
+    return sorted((o["action"], o.get("type"), o.get("text"), tuple(o.get("sources") or ())) for o in output)
+
+
+# --- observer, watermarks, jobs ---------------------------------------------------------------------------------
+
+async def test_observer_writes_typed_sourced_observations_and_moves_its_watermark(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home) as (d, client):
+        ids = await ingest(client, work_session("s1", 1_700_000_000))
+        result = await client.call("workers_run", name="observer", session_id="s1")
+        assert result["outcome"] == "ok" and result["items_in"] == len(ids)
+        obs = await memories(client, kind="observation")
+        by_type = {}
+        for m in obs:
+            meta = (await db_rows(d, "SELECT meta FROM memories WHERE id = ?", (m["id"],)))[0][0]
+            by_type.setdefault(json.loads(meta)["type"], []).append(m)
+            assert len(m["text"]) <= 200 and m["sources"] and m["session_id"] == "s1"
+            assert all(s["event_id"] in ids for s in m["sources"])
+            assert m["created"] >= 1_700_000_000  # the event's time, not the run's
+        assert "never use print for logging" in by_type["constraint"][0]["text"]
+        assert any("tenacity" in m["text"] for m in by_type["decision"])
+        assert any(m["text"].startswith("Committed 1a2b3c4: Add retry") for m in by_type["decision"])
+        assert any(m["text"].startswith("Tests green: `pytest tests/test_upload.py` (5 passed") for m in
+                   by_type["progress"])
+        assert any("test_retry" in m["text"] for m in by_type["error"])
+        mark = await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:s1'")
+        assert int(mark) == max(ids)
+        again = await client.call("workers_run", name="observer", session_id="s1")
+        assert again["outcome"] == "noop" and again["items_out"] == 0
+        jobs = await db_rows(d, "SELECT worker, outcome, items_in, items_out, ended FROM jobs ORDER BY id")
+        assert [(j[0], j[1]) for j in jobs] == [("observer", "ok"), ("observer", "noop")]
+        assert jobs[0][2] == len(ids) and jobs[0][3] == len(obs) and jobs[0][4] is not None
+
+
+async def test_dry_run_reports_exactly_what_a_run_writes_and_writes_nothing(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home) as (d, client):
+        await ingest(client, work_session("s1", 1_700_000_000))
+        before = (await client.call("status"))["counts"]
+        dry = await client.call("workers_run", name="observer", session_id="s1", dry_run=True)
+        assert dry["outcome"] == "dry_run" and dry["output"]
+        assert (await client.call("status"))["counts"] == before
+        assert await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:s1'") is None
+        real = await client.call("workers_run", name="observer", session_id="s1")
+        assert essence(real["output"]) == essence(dry["output"])
+        for name in ("reflector", "digest", "dropper", "gc"):
+            assert (await client.call("workers_run", name=name, dry_run=True))["outcome"] == "dry_run"
+
+
+async def test_a_failed_chunk_never_moves_the_watermark(monkeypatch, home) -> None:
+    """600 events: the first chunk (500) commits; a write fault in the second rolls back that chunk only."""
+    async with loomd(monkeypatch, home) as (d, client):
+        events = []
+        for i in range(300):
+            events.append(user("big", f"Step {i}: please look at module number {i} and summarise what it does.",
+                               1_700_000_000 + i))
+            events.append(assistant("big", f"Module {i} parses the config section {i}.", 1_700_000_000 + i))
+        events[550]["payload"]["text"] = "Never deploy on Fridays, BOOM."
+        ids = await ingest(client, events)
+        async with d.store.atomic() as db:
+            await db.execute("CREATE TRIGGER boom BEFORE INSERT ON memories WHEN new.text LIKE '%BOOM%'"
+                             " BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+        failed = await client.call("workers_run", name="observer", session_id="big")
+        assert failed["outcome"] == "error" and "disk says no" in failed["error"]
+        mark = int(await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:big'"))
+        assert mark == ids[499]  # the first chunk, and not one event further
+        cited = await d.store.scalar("SELECT max(s.event_id) FROM memory_sources s JOIN memories m"
+                                     " ON m.id = s.memory_id WHERE m.kind = 'observation'")
+        assert cited <= mark  # nothing written cites an event past the watermark
+        job = (await db_rows(d, "SELECT outcome, error FROM jobs ORDER BY id DESC LIMIT 1"))[0]
+        assert job[0] == "error" and "disk says no" in job[1]
+        async with d.store.atomic() as db:
+            await db.execute("DROP TRIGGER boom")
+        done = await client.call("workers_run", name="observer", session_id="big")
+        assert done["outcome"] == "ok" and done["items_in"] == 100
+        assert int(await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:big'")) == ids[-1]
+        assert any("Never deploy on Fridays" in m["text"] for m in await memories(client, kind="observation"))
+
+
+async def test_cancelled_run_keeps_nothing_and_reruns_to_the_same_result(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home) as (d, client):
+        await ingest(client, work_session("c1", 1_700_000_000))
+        reference = await client.call("workers_run", name="observer", session_id="c1", dry_run=True)
+        async with d.store.atomic() as db:
+            await db.execute(SLOW_TRIGGER)
+        assert d.scheduler is not None
+        run = asyncio.create_task(d.scheduler.run("observer", session_id="c1"))
+        deadline = time.monotonic() + 10
+        while not await d.store.scalar("SELECT count(*) FROM jobs WHERE outcome = 'running'"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        while not d.store.writer.in_transaction:  # the output transaction is open, slow inserts under way
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)
+        assert not run.done()
+        d.should_exit.set()  # shutdown: the scheduler cancels the running job
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    async with loomd(monkeypatch, home) as (d, client):
+        job = (await db_rows(d, "SELECT outcome FROM jobs ORDER BY id DESC LIMIT 1"))[0]
+        assert job[0] == "cancelled"
+        assert await memories(client, kind="observation") == []
+        assert await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:c1'") is None
+        async with d.store.atomic() as db:
+            await db.execute("DROP TRIGGER slow_obs")
+        again = await client.call("workers_run", name="observer", session_id="c1")
+        assert again["outcome"] == "ok" and essence(again["output"]) == essence(reference["output"])
+
+
+@pytest.mark.slow
+def test_kill_9_mid_run_keeps_nothing_and_reruns_to_the_same_result(daemon_process, home: Path) -> None:
+    env = {"LOOMD_PASSIVE": "1", "LOOMD_TAIL_TRANSCRIPTS": "0", "LOOMD_EMBEDDER": "none"}
+    proc = daemon_process(env).start()
+    with Client(proc.sock, timeout=30) as c:
+        c.call("ingest", events=work_session("k1", 1_700_000_000))
+        reference = c.call("workers_run", name="observer", session_id="k1", dry_run=True)
+    conn = connect_sync(home / "loomd.db")
+    conn.execute(SLOW_TRIGGER)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with Client(proc.sock, timeout=30) as c:
+                c.call("workers_run", name="observer", session_id="k1")
+        except BaseException as exc:  # noqa: BLE001 - the daemon dies under this call on purpose
+            errors.append(exc)
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while not conn.execute("SELECT count(*) FROM jobs WHERE outcome = 'running'").fetchone()[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    probe = sqlite3.connect(home / "loomd.db", timeout=0)
+    while True:  # wait until the daemon holds the write lock: its output transaction is open
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+        except sqlite3.OperationalError:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    probe.close()
+    time.sleep(0.1)
+    assert proc.stop(signal.SIGKILL) == -signal.SIGKILL
+    caller.join(10)
+    assert errors  # the call never got its answer
+    conn.execute("DROP TRIGGER slow_obs")
+    conn.close()
+    proc2 = daemon_process(env).start()
+    with Client(proc2.sock, timeout=30) as c:
+        jobs = sqlite3.connect(home / "loomd.db").execute("SELECT outcome FROM jobs ORDER BY id").fetchall()
+        assert jobs[-1][0] == "interrupted"
+        assert c.call("stats")["memories"].get("observation") is None
+        again = c.call("workers_run", name="observer", session_id="k1")
+    assert again["outcome"] == "ok" and essence(again["output"]) == essence(reference["output"])
+    assert proc2.stop(signal.SIGTERM) == 0
+
+
+# --- reflector ---------------------------------------------------------------------------------------------------
+
+async def observe_and_reflect(client: AsyncClient, sessions: list[str]) -> dict[str, Any]:
+    for session in sessions:
+        assert (await client.call("workers_run", name="observer", session_id=session))["outcome"] == "ok"
+    return await client.call("workers_run", name="reflector", project=PROJECT)
+
+
+async def supports_of(d: Daemon, memory_id: int) -> list[int]:
+    rows = await db_rows(d, "SELECT src_id FROM edges WHERE dst_type = 'memory' AND dst_id = ? AND type = 'supports'"
+                                " ORDER BY src_id",
+                         (memory_id,))
+    return [r[0] for r in rows]
+
+
+async def test_a_constraint_repeated_in_three_sessions_is_one_memory_with_three_supports(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home) as (d, client):
+        rule = "Never commit directly to main, always open a pull request."
+        for n, session in enumerate(("a", "b", "c")):
+            await ingest(client, [user(session, f"{rule} Then bump the version for release {n}.",
+                                       1_700_000_000 + n * 86400)])
+        result = await observe_and_reflect(client, ["a", "b", "c"])
+        assert result["outcome"] == "ok"
+        rules = [m for m in await memories(client) if m["kind"] in ("constraint", "preference")
+                 and m["archived_at"] is None and "commit directly to main" in m["text"]]
+        assert len(rules) == 1, rules
+        supporters = await supports_of(d, rules[0]["id"])
+        assert len(supporters) == 3
+        sessions = await db_rows(d, f"SELECT DISTINCT session_id FROM memories WHERE id IN"
+                                    f" ({','.join(map(str, supporters))})")
+        assert {r[0] for r in sessions} == {"a", "b", "c"}
+        assert rules[0]["hits"] >= 2
+        # Reflecting again adds nothing: the watermark passed these observations.
+        again = await client.call("workers_run", name="reflector", project=PROJECT)
+        assert again["outcome"] == "noop" and await supports_of(d, rules[0]["id"]) == supporters
+
+
+async def test_a_newer_decision_supersedes_the_older_one(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home) as (d, client):
+        await ingest(client, [assistant("d1", "I'll use SQLite for the job queue because it needs no server.",
+                                        1_700_000_000)])
+        await observe_and_reflect(client, ["d1"])
+        await ingest(client, [assistant("d2", "I'll switch the job queue to Postgres instead of SQLite because"
+                                              " we need concurrent writers.", 1_700_500_000)])
+        await observe_and_reflect(client, ["d2"])
+        decisions = {m["text"]: m for m in await memories(client, kind="decision")}
+        old = next(m for t, m in decisions.items() if t.startswith("I'll use SQLite"))
+        new = next(m for t, m in decisions.items() if "Postgres" in t)
+        assert old["superseded_by"] == new["id"] and old["archived_at"] is None  # kept, never deleted
+        assert new["superseded_by"] is None
+        edge = await db_rows(d, "SELECT type FROM edges WHERE src_type = 'memory' AND src_id = ?"
+                                " AND dst_type = 'memory' AND dst_id = ?", (new["id"], old["id"]))
+        assert [r[0] for r in edge] == ["supersedes"]
+        assert (await client.call("detail", id=old["id"]))["memories"][0]["superseded_by"] == new["id"]
+
+
+async def test_a_contradiction_is_linked_and_both_sides_kept(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home) as (d, client):
+        await ingest(client, [user("p1", "Always squash commits before merging a branch.", 1_700_000_000)])
+        await observe_and_reflect(client, ["p1"])
+        await ingest(client, [user("p2", "Never squash commits before merging a branch.", 1_700_100_000)])
+        await observe_and_reflect(client, ["p2"])
+        rules = {m["text"]: m for m in await memories(client, kind="constraint") if m["archived_at"] is None}
+        always, never = rules["Always squash commits before merging a branch."], \
+            rules["Never squash commits before merging a branch."]
+        links = await db_rows(d, "SELECT src_id, dst_id FROM edges WHERE type = 'contradicts' AND dst_type = 'memory'")
+        assert (never["id"], always["id"]) in [tuple(r) for r in links]
+        assert always["superseded_by"] is None and always["archived_at"] is None
+
+
+# --- dropper, GC, working set ------------------------------------------------------------------------------------
+
+async def test_dropper_and_gc_never_touch_the_working_set(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, observations_pool_max_tokens=60, observations_pool_target_tokens=10,
+                     project_memory_cap=8, event_ttl_days=1) as (d, client):
+        now = time.time()
+        old = now - 5 * 86400
+        sessions = [f"g{i}" for i in range(4)]
+        for n, session in enumerate(sessions):
+            await ingest(client, [user(session, f"Never use print for logging, use the logging module ({n}).", old),
+                                  user(session, "Make sure every migration runs inside one transaction please.",
+                                       old + 1)])
+        await observe_and_reflect(client, sessions)
+        observations = await memories(client, kind="observation")
+        assert len(observations) >= 8
+        injected, hit = observations[0]["id"], observations[1]["id"]
+        stored = [(await client.call("store", text=f"Fact number {i} about the build", project=PROJECT,
+                                     importance=0.1))["id"] for i in range(6)]
+        expired = (await client.call("store", text="Temporary: the CI runner is down today", project=PROJECT,
+                                     expires=now - 10))["id"]
+        task = await client.call("task_create", title="Ship the uploader retry", project=PROJECT)
+        await client.call("task_update", id=task["id"], evidence={"memory": [stored[0]]})
+        async with d.store.atomic() as db:
+            await db.execute("UPDATE sessions SET injected = ?, last_seen = ? WHERE id = 'g0'",
+                             (json.dumps([injected, stored[1]]), now))
+            await db.execute("UPDATE memories SET last_hit = ? WHERE id = ?", (now, hit))
+            await db.execute("INSERT INTO edges (src_type, src_id, dst_type, dst_id, type, created)"
+                             " VALUES ('memory', ?, 'memory', 99999, 'relates_to', ?)", (stored[2], now))
+        protected = {injected, hit, stored[0], stored[1], task["id"]}
+
+        dropped = await client.call("workers_run", name="dropper", project=PROJECT)
+        assert dropped["outcome"] == "ok" and dropped["items_out"] > 0
+        gc = await client.call("workers_run", name="gc")
+        assert gc["outcome"] == "ok"
+        actions = {o["action"] for o in gc["output"]}
+        assert {"archive", "dangling_edges_removed", "events_purged"} <= actions
+
+        everything = await memories(client)
+        archived = [m for m in everything if m["archived_at"] is not None]
+        assert archived and not protected & {m["id"] for m in archived}
+        assert any(m["id"] == expired for m in archived)
+        active = [m for m in everything if m["archived_at"] is None]
+        assert len(active) <= 8 + len(protected)
+        # Every archived id is still there, with its text, through `detail`.
+        fetched = (await client.call("detail", id=[m["id"] for m in archived]))["memories"]
+        assert [m["id"] for m in fetched] == [m["id"] for m in archived] and all(m["text"] for m in fetched)
+        assert await d.store.scalar("SELECT count(*) FROM edges WHERE dst_type = 'memory' AND dst_id = 99999") == 0
+        # Old events the observer passed: cited ones keep their row without payload, the others are gone.
+        left = await db_rows(d, "SELECT payload FROM events WHERE session_id IN ('g0','g1','g2','g3')")
+        assert left and all(json.loads(r[0]) == {"purged": True} for r in left)
+        assert await d.store.scalar("SELECT count(*) FROM memory_sources s LEFT JOIN events e ON e.id = s.event_id"
+                                    " WHERE e.id IS NULL") == 0
+
+
+async def test_events_are_purged_only_after_the_observer_passed_them(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, event_ttl_days=1) as (d, client):
+        old = time.time() - 3 * 86400
+        await ingest(client, [user("e1", "Please tidy the README headings.", old)])
+        await client.call("workers_run", name="gc")
+        assert await d.store.scalar("SELECT count(*) FROM events WHERE session_id = 'e1'") == 1
+        await client.call("workers_run", name="observer", session_id="e1")
+        await client.call("workers_run", name="gc")
+        payloads = [r[0] for r in await db_rows(d, "SELECT payload FROM events WHERE session_id = 'e1'")]
+        assert payloads in ([], ['{"purged": true}'])
+
+
+# --- digest --------------------------------------------------------------------------------------------------------
+
+async def test_digest_never_exceeds_its_budget(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, reflection_context_max_tokens=120) as (d, client):
+        verbatim, budget = budgets(120)
+        kinds = ("decision", "constraint", "procedure", "insight", "fact")
+        for i in range(40):
+            await client.call("store", text=f"Memory {i}: " + "a fairly long durable lesson about the build " * 2,
+                              kind=kinds[i % len(kinds)], project=PROJECT, importance=0.3 + (i % 7) / 10)
+        first = await client.call("workers_run", name="digest", project=PROJECT)
+        digests = await memories(client, kind="digest")
+        assert len(digests) == 1 and len(digests[0]["text"]) <= budget
+        assert digests[0]["text"].startswith("Digest of ")
+        assert [o for o in first["output"] if o["action"] == "digest"][0]["chars"] <= budget
+        mark = json.loads(await d.store.scalar("SELECT value FROM checkpoints WHERE name = ?", (f"digest:{PROJECT}",)))
+        assert mark["digest_id"] == digests[0]["id"] and mark["folded"] > 0 and mark["watermark"]
+        assert (await client.call("workers_run", name="digest", project=PROJECT))["outcome"] == "noop"
+        # A long new memory takes verbatim room: the oldest verbatim one is folded, a new digest replaces the old.
+        await client.call("store", text="A brand new decision: deploy from tags only, " + "never from branches " * 6,
+                          kind="decision", project=PROJECT)
+        await client.call("workers_run", name="digest", project=PROJECT)
+        digests = await memories(client, kind="digest")
+        live = [m for m in digests if m["archived_at"] is None]
+        assert len(live) == 1 and len(digests) == 2 and len(live[0]["text"]) <= budget
+        assert verbatim + budget == 120 * 4
+
+
+@pytest.mark.parametrize("budget", [0, 1, 5, 39, 40, 41, 80, 157, 400, 4000])
+def test_render_digest_fits_any_budget(budget: int) -> None:
+    rows = [{"id": i, "kind": ("decision", "constraint", "weird")[i % 3], "text": "x" * (i * 37 % 300 + 1),
+             "importance": 0.5, "hits": i % 4, "created": 1.7e9 + i, "updated": 1.7e9 + i} for i in range(1, 60)]
+    text = render_digest(rows, budget)
+    assert len(text) <= budget
+    assert (text == "") == (budget == 0)
+
+
+# --- scheduler, triggers, passive, ops and CLI --------------------------------------------------------------------
+
+async def wait_for_job(d: Daemon, worker: str, within_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        rows = await db_rows(d, "SELECT outcome, trigger FROM jobs WHERE worker = ? AND outcome != 'running'"
+                                " ORDER BY id DESC LIMIT 1", (worker,))
+        if rows:
+            return rows[0]
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no {worker} job within {within_s}s")
+
+
+async def test_session_end_and_token_threshold_wake_the_workers(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, passive=False, worker_interval_s=3600, observe_after_tokens=200) as (d, client):
+        status = await client.call("workers")
+        assert not status["passive"] and [w["name"] for w in status["workers"]] == [
+            "observer", "reflector", "dropper", "digest", "gc"]
+        assert all(w["next_run"] and w["next_run"] > time.time() + 3000 for w in status["workers"])
+        await ingest(client, [*work_session("t1", 1_700_000_000),
+                              ev("t1", "SessionEnd", {"reason": "exit"}, 1_700_000_100, source="hook")])
+        assert tuple(await wait_for_job(d, "observer")) == ("ok", "event")
+        assert tuple(await wait_for_job(d, "reflector")) == ("ok", "event")  # the observer's output woke it
+        await wait_for_job(d, "digest")
+        assert any(m["kind"] == "constraint" for m in await memories(client))
+        # Tokens: a long session with no end is observed once it passes observe_after_tokens.
+        await ingest(client, [user("t2", "Explain the storage layer in detail. " * 30, 1_700_000_200)])
+        deadline = time.monotonic() + 10
+        while not await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:t2'"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+
+
+async def test_passive_means_no_background_work(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, passive=True, observe_after_tokens=10) as (d, client):
+        await ingest(client, [*work_session("q1", 1_700_000_000),
+                              ev("q1", "SessionEnd", {"reason": "exit"}, 1_700_000_100, source="hook")])
+        await asyncio.sleep(0.3)
+        assert await d.store.scalar("SELECT count(*) FROM jobs") == 0
+        status = await client.call("workers")
+        assert status["passive"] and all(w["next_run"] is None for w in status["workers"])
+        assert (await client.call("workers_run", name="observer", session_id="q1"))["outcome"] == "ok"
+        with pytest.raises(Exception, match="unknown worker"):
+            await client.call("workers_run", name="nope")
+
+
+async def test_cli_lists_and_runs_workers(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home) as (d, client):
+        await ingest(client, work_session("cli", 1_700_000_000))
+        runner = CliRunner()
+        dry = await asyncio.to_thread(runner.invoke, cli_main, ["workers", "run", "observer", "--session", "cli",
+                                                                "--dry-run"])
+        assert dry.exit_code == 0, dry.output
+        assert "dry_run" in dry.output and "constraint" in dry.output
+        real = await asyncio.to_thread(runner.invoke, cli_main, ["workers", "run", "observer", "--session", "cli"])
+        assert real.exit_code == 0 and "ok" in real.output
+        listing = await asyncio.to_thread(runner.invoke, cli_main, ["workers"])
+        assert listing.exit_code == 0 and "observer" in listing.output and "gc" in listing.output
+        as_json = await asyncio.to_thread(runner.invoke, cli_main, ["workers", "--json"])
+        assert json.loads(as_json.output)["workers"][0]["last_run"]["outcome"] == "ok"
+
+
+# --- real sessions ----------------------------------------------------------------------------------------------
+
+async def test_a_real_session_yields_useful_observations_and_reflections(monkeypatch, home) -> None:
+    path = need_test_data("transcripts", "daaain-claude-code-log", "-src-deep-manifest",
+                          "a7da6a22-facc-4fcd-8bab-f83c87862004.jsonl")
+    async with loomd(monkeypatch, home) as (d, client):
+        assert d.tailer is not None
+        imported = await d.tailer.import_file(path)
+        session = imported["sessions"][0]
+        result = await client.call("workers_run", name="observer", session_id=session, final=True)
+        assert result["outcome"] == "ok"
+        obs = [m["text"] for m in await memories(client, kind="observation")]
+        assert all(len(t) <= 200 for t in obs)
+        assert any("pytest: command not found" in t and ".venv/bin/activate" in t for t in obs)
+        assert any(t.startswith("Committed 70f2781: feat: add support for tar archives") for t in obs)
+        assert any(t.startswith('User chose "Option C: Extra field"') for t in obs)
+        await client.call("workers_run", name="reflector", session_id=session)
+        durable = {m["kind"]: m["text"] for m in await memories(client) if m["kind"] in ("insight", "decision")}
+        assert "insight" in durable and "decision" in durable
+        found = await client.call("search", query="pytest command not found virtual environment", limit=5)
+        assert any(".venv" in r["text"] for r in found["results"])
