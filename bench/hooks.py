@@ -8,7 +8,8 @@ shell finds the interpreter pinned in `hook-python`) is measured too, daemon up.
 (the spool path) and up (`python -m loomd serve` with one memory stored, so SessionStart renders a real block and
 UserPromptSubmit runs a real recall), next to same-run baselines spawned the same way: the interpreter floor
 `/bin/sh -c '<python> -S -E -c pass'`, `/bin/sh -c true` and `/bin/true`. Variants are interleaved round-robin
-so machine noise lands on all alike. Prints one JSON object on stdout, nothing else.
+so machine noise lands on all alike. A third side acks every request at once (`instant_daemon`): above the
+floor there is only the shim's own cost. Prints one JSON object on stdout, nothing else.
 
     python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
 """
@@ -216,6 +217,48 @@ def hook_variants(events: list[str], payloads: dict[str, list[bytes]], commands:
 # ---------------------------------------------------------------- the daemon
 
 
+class InstantDaemon:
+    """A stand-in that acks every hook request at once (no parsing, no commit): with it, what remains above the
+    floor is the shim's own cost; the real daemon's share (durable commit, planner) is the difference to `up`."""
+
+    def __init__(self, path: Path) -> None:
+        import socket
+        import threading
+
+        import msgpack
+
+        body = msgpack.packb({"v": 1, "id": 1, "ok": True, "result": {"stored": 1, "stdout": ""}})
+        self.reply = len(body).to_bytes(4, "big") + body
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen(64)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    head = conn.recv(4, 0x100)  # MSG_WAITALL
+                    body = int.from_bytes(head, "big")
+                    while body > 0:
+                        chunk = conn.recv(min(body, 1 << 20))
+                        if not chunk:
+                            break
+                        body -= len(chunk)
+                    conn.sendall(self.reply)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+
 def start_daemon(python: str, home: Path, within_s: float) -> tuple[subprocess.Popen[bytes], float]:
     from loomd.client import Client
 
@@ -318,6 +361,16 @@ def main(argv: list[str] | None = None) -> int:
         report["down"] = {"baselines": {k: down[k] for k in baselines(python, first)},
                           "events": with_deltas(down, events),
                           "spooled_files": len(list(spool.glob("*.msgpack"))) if spool.is_dir() else 0}
+        instant_home = root / "i"
+        i_cmds, i_notify, i_env = installed_commands(python, instant_home)
+        instant = InstantDaemon(instant_home / "loomd.sock")
+        try:
+            fast = measure({**baselines(python, first), **hook_variants(events, payloads, i_cmds, i_notify, i_env)},
+                           runs)
+        finally:
+            instant.close()
+        report["instant_daemon"] = {"baselines": {k: fast[k] for k in baselines(python, first)},
+                                    "events": with_deltas(fast, events)}
         if opts.skip_up:
             report["up"] = {"skipped": True}
         else:

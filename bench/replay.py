@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -39,7 +40,7 @@ def hook_records(path: Path) -> list[dict[str, Any]]:
     return [r for r in data if isinstance(r, dict) and r.get("hook_event_name") and r.get("session_id")]
 
 
-async def replay(files: list[Path], hooks: list[Path], embedder: str) -> dict[str, Any]:
+async def replay(files: list[Path], hooks: list[Path], embedder: str, keep: bool = False) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="lmr", dir="/tmp"))
     os.environ.update({"LOOMD_HOME": str(home), "LOOMD_PASSIVE": "1", "LOOMD_TAIL_TRANSCRIPTS": "0",
                        "LOOMD_EMBEDDER": embedder, "LOOMD_LOG_LEVEL": "WARNING"})
@@ -85,6 +86,10 @@ async def replay(files: list[Path], hooks: list[Path], embedder: str) -> dict[st
     finally:
         daemon.should_exit.set()
         await serving
+        if keep:
+            sys.stderr.write(f"kept the replay's LOOMD_HOME: {home}\n")
+        else:
+            shutil.rmtree(home, ignore_errors=True)
 
 
 async def describe(daemon: Any, session_id: str, project: str, agent: str, source: str) -> dict[str, Any]:
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the full result as JSON to this file")
     parser.add_argument("--only", default="", help="only files whose path contains this")
     parser.add_argument("--embedder", default="none", help="none (default), local or openai")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary LOOMD_HOME (loom works against it)")
     args = parser.parse_args(argv)
     if not DATA.is_dir():
         sys.stderr.write(f"no test data at {DATA} (set LOOMD_TEST_DATA)\n")
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                         and args.only in str(p))
     files = [p for p in candidates if detect_format(p) is not None]
     hooks = [p for p in candidates if p not in files and hook_records(p)]
-    result = asyncio.run(replay(files, hooks, args.embedder))
+    result = asyncio.run(replay(files, hooks, args.embedder, args.keep))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False))
     print(listing(result))

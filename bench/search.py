@@ -50,7 +50,7 @@ from loomd.transcript import parse_file  # noqa: E402
 TRANSCRIPTS = REPO.parent / "shared" / "data" / "transcripts"
 PROJECT = "bench:search"
 SESSION_SIZE = 40
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2
 SPAN_S = 2 * 365 * 86400.0
 END = 1_750_000_000.0
 
@@ -69,7 +69,7 @@ def base_items(data: Path) -> tuple[list[str], list[str]]:
         except (OSError, ValueError):
             continue
         for item in items:
-            text = " ".join(item.text.split())[:1200]
+            text = " ".join(item.text.split())[:300]  # memories are short (capture keeps 200 chars)
             if len(text) >= 20:
                 texts.append(text)
                 if item.kind == "user_message" and len(text) < 400:
@@ -193,6 +193,16 @@ def measure(db: Path, queries: list[str], n: int, rng: random.Random) -> dict[st
                 if name == "search hybrid":
                     for stage, ms in reply["timings"].items():
                         daemon_ms.setdefault(stage, []).append(ms)
+        # The 1-bit prefilter is approximate: how much of the exact vector top 10 / top 100 it keeps.
+        overlap: dict[int, list[float]] = {10: [], 100: []}
+        for q in picked[:30]:
+            args = {"query": q, "project": PROJECT, "mode": "semantic", "limit": 100}
+            fast = [r["id"] for r in d.client.call("search", args)["results"]]
+            exact = [r["id"] for r in d.client.call("search", {**args, "tuning": {"prefilter": 100_000}})["results"]]
+            for k in overlap:
+                if exact[:k]:
+                    overlap[k].append(len(set(fast[:k]) & set(exact[:k])) / len(exact[:k]))
+        out["knn_recall_vs_exact"] = {f"@{k}": round(statistics.fmean(v), 4) for k, v in overlap.items() if v}
         out["client_ms"] = {k: percentiles(v) for k, v in ops.items()}
         out["daemon_hybrid_ms"] = {k: percentiles(v) for k, v in daemon_ms.items()}
         p50 = out["client_ms"]["search keyword"]["p50"]

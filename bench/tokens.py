@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from loomd.client import Client  # noqa: E402
 from loomd.transcript import TranscriptItem, detect_format, parse_file  # noqa: E402
 
-ID = re.compile(r"#(\d+)\b")
+ID = re.compile(r" #(\d+)$", re.MULTILINE)  # the id closing each line, not a "#12" inside memory text
 
 
 def tokens(text: str) -> int:

@@ -31,7 +31,8 @@ BATCH = 32
 NEAR_CANDIDATES = 64
 
 _STALE = (
-    "SELECT m.id, m.text, m.content_hash, m.project, m.scope, m.session_id, m.created, v.memory_id IS NOT NULL"
+    "SELECT m.id, m.text, m.content_hash, m.project, m.scope, m.session_id, m.created, m.kind,"
+    " v.memory_id IS NOT NULL"
     " FROM memories m LEFT JOIN memory_vectors v ON v.memory_id = m.id"
     " WHERE (v.memory_id IS NULL OR v.model != ? OR v.content_hash != m.content_hash)"
 )
@@ -46,6 +47,7 @@ class Stale:
     scope: str
     session: str | None
     created: float
+    kind: str
     had_vector: bool
 
 
@@ -66,15 +68,19 @@ class Plan:
     embed_seconds: float = 0.0
 
 
+def _stale(row: Any) -> Stale:
+    return Stale(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], bool(row[8]))
+
+
 def scan(conn: sqlite3.Connection, model: str, dirty: Sequence[int], cursor: int) -> tuple[list[Stale], int]:
     """Up to BATCH stale memories: the dirty ids first, then ids above the cursor; and the cursor to go on from."""
     found: dict[int, Stale] = {}
     if dirty:
         for row in conn.execute(_STALE + " AND m.id IN (SELECT value FROM json_each(?))", (model, json.dumps(dirty))):
-            found[row[0]] = Stale(*row[:7], bool(row[7]))
+            found[row[0]] = _stale(row)
     rows = conn.execute(_STALE + " AND m.id > ? ORDER BY m.id LIMIT ?", (model, cursor, BATCH)).fetchall()
     for row in rows:
-        found.setdefault(row[0], Stale(*row[:7], bool(row[7])))
+        found.setdefault(row[0], _stale(row))
     if len(rows) == BATCH:
         cursor = rows[-1][0]
     else:  # nothing stale up to the newest committed id; ids commit in order (one writer)
@@ -146,7 +152,7 @@ def plan_batch(conn: sqlite3.Connection, embedder: Embedder, index: BitIndex | N
         mix = mixed[m.id]
         bits = sign_bits(np.frombuffer(mix, dtype="<f4"))[0]
         plan.rows.append((m.id, m.content_hash, raw[m.id], mix, bits, raw_bits))
-        plan.index_rows.append(IndexRow(m.id, bits, raw_bits, m.project, m.scope == "user", m.session))
+        plan.index_rows.append(IndexRow(m.id, mix, bits, raw_bits, m.project, m.scope, m.session, m.kind, m.created))
     _pair(conn, plan, index, batch, raw, dim)
     return plan
 
@@ -210,11 +216,11 @@ def load_index(conn: sqlite3.Connection, model: str, dim: int) -> BitIndex:
     index = BitIndex(model, dim)
     rows: list[Any] = []
     for row in conn.execute(
-        "SELECT v.memory_id, v.bits, v.raw_bits, m.project, m.scope, m.session_id FROM memory_vectors v"
-        " JOIN memories m ON m.id = v.memory_id WHERE v.model = ? AND v.bits IS NOT NULL ORDER BY v.memory_id",
-        (model,),
+        "SELECT v.memory_id, v.mixed, v.bits, v.raw_bits, m.project, m.scope, m.session_id, m.kind, m.created"
+        " FROM memory_vectors v JOIN memories m ON m.id = v.memory_id WHERE v.model = ? AND v.mixed IS NOT NULL"
+        " ORDER BY v.memory_id", (model,),
     ):
-        rows.append(IndexRow(row[0], row[1], row[2], row[3], row[4] == "user", row[5]))
+        rows.append(IndexRow(*row))
         if len(rows) == 10_000:
             index.upsert(rows)
             rows = []

@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import re
 import time
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,11 @@ class Line:
 
 
 def sanitise(text: str) -> str:
-    """One line; no bracket sequence that could end or fake a loomd block."""
+    """One line; no bracket sequence that could end or fake a loomd block, in any look-alike form."""
+    # Compatibility forms (a fullwidth ［/ＬＯＯＭ］) fold to ASCII; invisible format and control characters (a
+    # zero-width space inside `[/LOOM]`, bidi overrides) go: what the model reads is what the check sees.
+    text = unicodedata.normalize("NFKC", text)
+    text = "".join(" " if unicodedata.category(ch) in ("Cc", "Cf") else ch for ch in text)
     text = " ".join(text.split())
     return re.sub(r"\[(\s*/?\s*LOOM)", r"(\1", text, flags=re.IGNORECASE)
 

@@ -138,7 +138,8 @@ class Daemon:
         self.scheduler = Scheduler(self)
         self.writer.listeners.append(self.scheduler.listener)
         await self.scheduler.start()
-        self.spool = Spool(paths.spool, self._ingest_spooled)
+        # Replay groups share a commit; a quarter of the writer's queue leaves room for live hooks.
+        self.spool = Spool(paths.spool, self._ingest_spooled, batch=min(32, self.config.max_inflight // 4))
         self.spool.prepare()
         self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
                              max_inflight=self.config.max_inflight)
@@ -273,6 +274,8 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(
         stream=sys.stderr, level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # aiosqlite's DEBUG lines carry every statement's parameters: whole events, copied into the journal.
+    logging.getLogger("aiosqlite").setLevel(max(logging.INFO, logging.getLogger().level))
 
 
 def loop_factory() -> asyncio.AbstractEventLoop:

@@ -256,8 +256,7 @@ class ModelDistiller:
             return []
         out: list[Observation] = []
         for prompt in chunk_prompts(render_steps(steps)):
-            async with self.store.atomic() as db:
-                used = await budget_used(db)
+            used = await budget_used(self.store.reader)
             cost = (len(SYSTEM_PROMPT) + len(prompt)) // 4 + MAX_OUTPUT_TOKENS
             if used + cost > self.daily_tokens:
                 self.last_error = f"daily model budget reached ({used}/{self.daily_tokens} tokens)"

@@ -53,13 +53,30 @@ class Event:
 
 
 MAX_DEPTH = 64  # deeper JSON is cut with a marker: every later walk (redaction, capture) then stays bounded
+_BREAKS = frozenset(" \t\r\n\"'`,;()[]{}<>|")
+CUT_BACKOFF = 512
+
+
+def clean_cut(text: str, limit: int) -> int:
+    """Where to cut `text` at most `limit` long: never inside a word, so no token or key is kept in part.
+
+    Truncation runs before redaction, and half a key no longer looks like a key: `AWS_SECRET_ACCESS_KEY=wJal…`
+    cut after 38 of its 40 characters would keep 38. A run longer than CUT_BACKOFF is cut where it stands.
+    """
+    cut = limit
+    if text[cut] in _BREAKS:
+        return cut
+    while cut > limit - CUT_BACKOFF and cut > 0 and text[cut - 1] not in _BREAKS:
+        cut -= 1
+    return cut if cut > limit - CUT_BACKOFF and cut > 0 else limit
 
 
 def truncate_strings(value: Any, max_chars: int, depth: int = 0) -> Any:
     """Cut long strings and too-deep branches with a marker: oversized output is kept in part, never rejected."""
     if isinstance(value, str):
         if len(value) > max_chars:
-            return value[:max_chars] + f"…[truncated {len(value) - max_chars} chars]"
+            cut = clean_cut(value, max_chars)
+            return value[:cut] + f"…[truncated {len(value) - cut} chars]"
         return value
     if isinstance(value, dict | list) and depth >= MAX_DEPTH:
         return f"…[truncated: nested deeper than {MAX_DEPTH} levels]"
@@ -302,6 +319,8 @@ class EventWriter:
                     "INSERT INTO sessions (id, agent, project, cwd, transcript_path, started, last_seen, ended)"
                     " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET"
                     " last_seen = max(last_seen, excluded.last_seen),"
+                    # A session first seen through a line without a cwd takes its project from the next event.
+                    " project = CASE WHEN sessions.project = 'unknown' THEN excluded.project ELSE sessions.project END,"
                     " cwd = coalesce(sessions.cwd, excluded.cwd),"
                     " transcript_path = coalesce(excluded.transcript_path, sessions.transcript_path),"
                     " ended = CASE WHEN excluded.ended IS NOT NULL THEN excluded.ended ELSE sessions.ended END",

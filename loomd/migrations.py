@@ -198,6 +198,8 @@ def m002_retrieval(db: sqlite3.Connection) -> None:
             INSERT INTO memories_fts(rowid, text, tags, ctx) VALUES (new.id, new.text, new.tags, new.ctx);
         END;
         INSERT INTO memories_fts(memories_fts) VALUES ('rebuild');
+        -- How many memories hold each (stemmed) term: search drops the commonest terms of a long query.
+        CREATE VIRTUAL TABLE memories_fts_vocab USING fts5vocab(memories_fts, 'row');
 
         DROP TABLE memory_vec;
         ALTER TABLE memory_vectors ADD COLUMN mixed BLOB;

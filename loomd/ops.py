@@ -30,6 +30,11 @@ def _ids(value: Any) -> list[int]:
     return ids
 
 
+def _sent_at(ms: int | None) -> float | None:
+    """The shim's send time (ms) as the event's time: a spooled event keeps when it happened, not when replayed."""
+    return ms / 1000 if ms is not None and 0 < ms <= LATEST_TS * 1000 else None
+
+
 class Ops:
     """Binds every `handle_<op>` to the daemon's state."""
 
@@ -91,7 +96,8 @@ class Ops:
             "agent": (str, "auto"), "event": (str, ""), "raw": ((bytes, str), REQUIRED), "eid": (str, None),
             "context": (bool, False), "deadline_ms": (int, None), "sent_at": (int, None),
         })
-        event = parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=self.d.config.max_tool_output_chars)
+        event = parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=self.d.config.max_tool_output_chars,
+                           now=_sent_at(a["sent_at"]))
         await self.d.writer.submit([event])
         stdout = ""
         if a["context"]:
@@ -102,12 +108,13 @@ class Ops:
         """One event or a batch: raw hook bytes plus agent and event name, or already-normalised events."""
         a = take_args(args, {
             "raw": ((bytes, str), None), "agent": (str, "auto"), "event": (str, ""), "eid": (str, None),
-            "events": (list, None), "item": (dict, None),
+            "events": (list, None), "item": (dict, None), "sent_at": (int, None),
         })
         limit = self.d.config.max_tool_output_chars
         events: list[Event] = []
         if a["raw"] is not None:
-            events.append(parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=limit))
+            events.append(parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=limit,
+                                     now=_sent_at(a["sent_at"])))
         if a["item"] is not None:
             events.append(parse_normalised(a["item"], max_chars=limit))
         for item in a["events"] or []:

@@ -27,11 +27,12 @@ DESCRIPTION = "loomd: long-term memory for coding agents (hooks to the local dae
 # the timeout only guards against a wedged interpreter. SessionEnd gets longer than Claude's 1.5 s default budget
 # so the final flush is not cut; Codex clamps hook timeouts to 3 s there, so it gets 3. No PreToolUse: PostToolUse
 # and PostToolUseFailure carry the tool input too, and a hook before every tool call would only cost time.
+# PostCompact carries the compaction summary (`compact_summary`, checked with Claude Code 2.1.197).
 EVENTS: dict[str, dict[str, int]] = {
     "claude": {"SessionStart": 5, "UserPromptSubmit": 5, "PostToolUse": 5, "PostToolUseFailure": 5, "PreCompact": 5,
-               "Stop": 5, "SubagentStop": 5, "Notification": 5, "SessionEnd": 10},
-    "codex": {"SessionStart": 5, "UserPromptSubmit": 5, "PostToolUse": 5, "PreCompact": 5, "Stop": 5,
-              "SubagentStop": 5, "SessionEnd": 3},
+               "PostCompact": 5, "Stop": 5, "SubagentStop": 5, "Notification": 5, "SessionEnd": 10},
+    "codex": {"SessionStart": 5, "UserPromptSubmit": 5, "PostToolUse": 5, "PreCompact": 5, "PostCompact": 5,
+              "Stop": 5, "SubagentStop": 5, "SessionEnd": 3},
 }  # fmt: skip
 # Codex reads .codex-plugin/ first: its manifest names its own hooks file, so each client's commands say --agent.
 HOOK_FILES = {"claude": "hooks/hooks.json", "codex": "hooks/codex.json"}

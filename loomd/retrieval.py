@@ -12,6 +12,7 @@ Signals, each usable alone (`weights`), fused by weighted reciprocal rank fusion
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -19,13 +20,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .entities import extract_entities
-from .errors import BadRequest, NotFound
-from .fusion import CANDIDATES, CONTEXT_WEIGHT, DEFAULT_WEIGHTS, RRF_K, score_by_entities, weighted_rrf
+from .errors import BadRequest, EmbedderError, NotFound
+from .fusion import (
+    CANDIDATES,
+    CONTEXT_WEIGHT,
+    DEFAULT_WEIGHTS,
+    RRF_K,
+    query_terms,
+    score_by_entities,
+    weighted_rrf,
+)
 from .fusion import fts_query as fts_query
 from .ingest import Event, event_text
 from .memories import memory_dict
-from .store import Store
-from .vectors import PREFILTER
+from .store import Store, connect_sync
+from .vectors import PREFILTER, Filters
 
 if TYPE_CHECKING:
     from .semantic import VectorService
@@ -35,6 +44,10 @@ SIGNALS = ("fts", "vec", "graph", "recency", "recurrence")
 MODE_WEIGHTS: dict[str, dict[str, float]] = {
     "keyword": {"fts": 1.0}, "semantic": {"vec": 1.0}, "hybrid": dict(DEFAULT_WEIGHTS),
 }
+# An entity named in more memories than this is read only this far (newest first); its idf stays exact.
+GRAPH_POSTINGS = 5000
+# BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
+FTS_BUDGET = 12_000
 # Knobs a benchmark (or a curious user) may turn per search: name -> (type, default, lowest, highest).
 TUNING: dict[str, tuple[type, Any, float, float]] = {
     "ctx_weight": (float, CONTEXT_WEIGHT, 0.0, 10.0),  # BM25 weight of the neighbours' column; 0 = plain text
@@ -42,9 +55,8 @@ TUNING: dict[str, tuple[type, Any, float, float]] = {
     "candidates": (int, CANDIDATES, 1, 1000),  # per signal
     "mixed": (bool, True, 0, 1),  # KNN over neighbour-mixed vectors (else the raw ones)
     "prefilter": (int, PREFILTER, 1, 100_000),  # 1-bit candidates re-ranked with float vectors
+    "fts_budget": (int, FTS_BUDGET, 1, 10_000_000),  # see prune_terms
 }
-# An entity named in more memories than this is read only this far (newest first); its idf stays exact.
-GRAPH_POSTINGS = 5000
 
 
 @dataclass
@@ -121,24 +133,108 @@ def resolve_tuning(tuning: Mapping[str, Any] | None) -> dict[str, Any]:
 # --- the signals ---------------------------------------------------------------------------------------------------
 
 
+class Stemmer:
+    """The FTS index's own tokenizer (porter unicode61) on a private in-memory table: query term -> index terms."""
+
+    def __init__(self) -> None:
+        self._db = connect_sync(":memory:")
+        self._db.execute("CREATE VIRTUAL TABLE t USING fts5(x, tokenize='porter unicode61')")
+        self._db.execute("CREATE VIRTUAL TABLE v USING fts5vocab(t, 'instance')")
+        self._cache: dict[str, tuple[str, ...]] = {}
+
+    def __call__(self, term: str) -> tuple[str, ...]:
+        found = self._cache.get(term)
+        if found is None:
+            self._db.execute("INSERT INTO t (rowid, x) VALUES (1, ?)", (term,))
+            found = tuple(r[0] for r in self._db.execute("SELECT term FROM v ORDER BY offset"))
+            self._db.execute("DELETE FROM t")
+            if len(self._cache) > 50_000:
+                self._cache.clear()
+            self._cache[term] = found
+        return found
+
+
+_stem: Stemmer | None = None
+
+
+async def prune_terms(store: Store, terms: list[str], budget: int) -> list[str]:
+    """Drop the commonest terms while the memories the query would score exceed `budget` (BM25 scores every
+    match: 50k matches take 45 ms at 100k memories), keeping the rarest term. Within budget: every term."""
+    global _stem
+    _stem = _stem or Stemmer()
+    tokens = {term: _stem(term) for term in terms}
+    wanted = sorted({t for ts in tokens.values() for t in ts})
+    if not wanted:
+        return terms
+    docs: dict[str, int] = {r[0]: r[1] for r in await store.fetchall(
+        "SELECT term, doc FROM memories_fts_vocab WHERE term IN (SELECT value FROM json_each(?))",
+        [json.dumps(wanted)])}
+    df = {term: min((docs.get(t, 0) for t in ts), default=0) for term, ts in tokens.items()}
+    kept = [t for t in terms if df[t] > 0] or terms[:1]
+    while len(kept) > 1 and sum(df[t] for t in kept) > budget:
+        kept.remove(max(kept, key=lambda t: (df[t], t)))
+    return kept
+
+
+async def _verify(store: Store, ranked: Sequence[int], where: str, params: Sequence[Any], n: int) -> list[int]:
+    """The first n of `ranked` that pass the filters (checked in SQL, in chunks of 2n, best first)."""
+    kept: list[int] = []
+    step = max(2 * n, 1)
+    for start in range(0, len(ranked), step):
+        chunk = list(ranked[start : start + step])
+        ok = {r[0] for r in await store.fetchall(
+            f"SELECT m.id FROM memories m WHERE m.id IN (SELECT value FROM json_each(?)) AND {where}",
+            [json.dumps(chunk), *params])}
+        kept += [i for i in chunk if i in ok]
+        if len(kept) >= n:
+            break
+    return kept[:n]
+
+
 async def fts_signal(
-    store: Store, query: str, where: str, params: Sequence[Any], n: int, ctx_weight: float,
+    store: Store, query: str, where: str, params: Sequence[Any], n: int, ctx_weight: float, budget: int,
 ) -> list[tuple[int, float]]:
     """BM25 over text, tags and the neighbours' column (weighted ctx_weight; 0 leaves the column out)."""
-    match = fts_query(query)
-    if not match:
+    terms = query_terms(query)
+    if not terms:
         return []
+    terms = await prune_terms(store, terms, budget)
+    match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
     if ctx_weight == 0:
         match = "{text tags} : (" + match + ")"
+    bm25 = f"bm25(memories_fts, 1.0, 1.0, {float(ctx_weight)!r})"
+    # The index alone ranks fastest; the filters are checked on the best 2n. Too few pass: rank with them.
     rows = await store.fetchall(
-        f"SELECT m.id, bm25(memories_fts, 1.0, 1.0, {float(ctx_weight)!r}) AS score FROM memories_fts"
-        f" JOIN memories m ON m.id = memories_fts.rowid WHERE memories_fts MATCH ? AND {where}"
-        " ORDER BY score, m.id LIMIT ?", [match, *params, n])
-    return [(r[0], -r[1]) for r in rows]
+        f"SELECT rowid, {bm25} AS score FROM memories_fts WHERE memories_fts MATCH ? ORDER BY score, rowid LIMIT ?",
+        [match, 2 * n])
+    kept = set(await _verify(store, [r[0] for r in rows], where, params, n))
+    if len(kept) < n and len(rows) == 2 * n:
+        rows = await store.fetchall(
+            f"SELECT m.id, {bm25} AS score FROM memories_fts JOIN memories m ON m.id = memories_fts.rowid"
+            f" WHERE memories_fts MATCH ? AND {where} ORDER BY score, m.id LIMIT ?", [match, *params, n])
+        kept = {r[0] for r in rows}
+    return [(r[0], -r[1]) for r in rows if r[0] in kept][:n]
+
+
+_TOTALS: dict[tuple[int, str, str], tuple[int, float, int]] = {}
+
+
+async def _total(ctx: SearchContext, where: str, params: Sequence[Any]) -> int:
+    """How many memories pass the filters (the graph's idf), recounted after writes at most every 2 s."""
+    generation = ctx.vectors.generation if ctx.vectors is not None else 0
+    key = (id(ctx.store), where, json.dumps(list(params)))
+    cached = _TOTALS.get(key)
+    if cached is not None and (cached[0] == generation or time.monotonic() - cached[1] < 2.0):
+        return cached[2]
+    total = int(await ctx.store.scalar(f"SELECT count(*) FROM memories m WHERE {where}", params) or 0)
+    if len(_TOTALS) > 1000:
+        _TOTALS.clear()
+    _TOTALS[key] = (generation, time.monotonic(), total)
+    return total
 
 
 async def graph_signal(
-    store: Store, query: str, where: str, params: Sequence[Any], project: str | None, n: int,
+    ctx: SearchContext, query: str, where: str, params: Sequence[Any], project: str | None, n: int,
 ) -> list[tuple[int, float]]:
     """Memories that mention the query's entities, by summed idf over the memories searched."""
     names = list(dict.fromkeys(name for name, _ in extract_entities(query)))
@@ -150,23 +246,20 @@ async def graph_signal(
     if project:
         sql += " AND project IN (?, 'user')"
         args.append(project)
-    entities = await store.fetchall(sql, args)
+    entities = await ctx.store.fetchall(sql, args)
     if not entities:
         return []
     postings: dict[str, set[int]] = {}
     df: dict[str, int] = {}
     for entity_id, name, mentions in entities:
-        rows = await store.fetchall(
-            "SELECT e.src_id FROM edges e JOIN memories m ON m.id = e.src_id WHERE e.dst_type = 'entity'"
-            f" AND e.dst_id = ? AND e.type = 'mentions' AND e.src_type = 'memory' AND {where}"
-            " ORDER BY e.src_id DESC LIMIT ?", [entity_id, *params, GRAPH_POSTINGS])
+        rows = await ctx.store.fetchall(
+            "SELECT src_id FROM edges WHERE dst_type = 'entity' AND dst_id = ? AND type = 'mentions'"
+            " AND src_type = 'memory' ORDER BY src_id DESC LIMIT ?", [entity_id, GRAPH_POSTINGS])
         postings.setdefault(name, set()).update(r[0] for r in rows)
-        if len(rows) == GRAPH_POSTINGS:
-            df[name] = df.get(name, 0) + max(mentions, GRAPH_POSTINGS)
-    for name in postings:
-        df.setdefault(name, len(postings[name]))
-    total = await store.scalar(f"SELECT count(*) FROM memories m WHERE {where}", params)
-    return score_by_entities(names, postings, int(total or 0), df)[:n]
+        df[name] = df.get(name, 0) + (max(mentions, len(rows)) if len(rows) == GRAPH_POSTINGS else len(rows))
+    ranked = score_by_entities(names, postings, await _total(ctx, where, params), df)
+    kept = set(await _verify(ctx.store, [i for i, _ in ranked], where, params, n))
+    return [(i, score) for i, score in ranked if i in kept]
 
 
 # --- search --------------------------------------------------------------------------------------------------------
@@ -189,26 +282,40 @@ async def search_memories(
     notes: list[str] = []
     scored: dict[str, list[tuple[int, float]]] = {}
 
-    if "fts" in active:
-        t = time.perf_counter()
-        scored["fts"] = await fts_signal(ctx.store, query, where, params, n, knobs["ctx_weight"])
-        timings["fts_ms"] = _ms(t)
-    if "vec" in active:
-        vectors = ctx.vectors
+    knn = None
+    if "vec" in active and ctx.vectors is not None:
+        # Started first: the query is embedded on its own thread while the keyword and graph signals query SQLite.
+        kinds = None if not kind else (kind,) if isinstance(kind, str) else tuple(kind)
+        filters = Filters(project or None, scope or None, kinds, since, until, session_id or None, include_archived)
+        knn = asyncio.create_task(ctx.vectors.knn(
+            query, k=n, filters=filters, where=where, params=params, mixed=knobs["mixed"],
+            prefilter=knobs["prefilter"], timings=timings))
+    try:
+        if "fts" in active:
+            t = time.perf_counter()
+            scored["fts"] = await fts_signal(ctx.store, query, where, params, n, knobs["ctx_weight"],
+                                             knobs["fts_budget"])
+            timings["fts_ms"] = _ms(t)
+        if "graph" in active:
+            t = time.perf_counter()
+            scored["graph"] = await graph_signal(ctx, query, where, params, project, n)
+            timings["graph_ms"] = _ms(t)
         found = None
-        if vectors is not None:
-            found = await vectors.knn(query, k=n, where=where, params=params,
-                                      projects=[project] if project else None, mixed=knobs["mixed"],
-                                      prefilter=knobs["prefilter"], timings=timings)
+        if knn is not None:
+            try:
+                found = await knn
+            except EmbedderError as exc:  # a remote endpoint down: the other signals still answer
+                notes.append(f"vec: the query could not be embedded: {exc}")
+                found = []
+    finally:
+        if knn is not None and not knn.done():
+            knn.cancel()
+    if "vec" in active:
         if found is None:
-            state = vectors.status() if vectors is not None else {"state": "off"}
+            state = ctx.vectors.status() if ctx.vectors is not None else {"state": "off"}
             why = f"{state['state']}: {state['error']}" if state.get("error") else state["state"]
             notes.append(f"vec: no vectors to search (embedder {why})")
         scored["vec"] = found or []
-    if "graph" in active:
-        t = time.perf_counter()
-        scored["graph"] = await graph_signal(ctx.store, query, where, params, project, n)
-        timings["graph_ms"] = _ms(t)
 
     # The pool recency and recurrence reorder: what the relevance signals found.
     pool = {i for name in ("fts", "vec") for i, _ in scored.get(name, [])}

@@ -17,13 +17,15 @@ from .backfill import Plan, apply_plan, load_index, plan_batch, scan
 from .embed import Embedder, NoEmbedder, make_embedder
 from .errors import EmbedderError, StorageError
 from .store import DB_ERRORS, Store, connect_sync
-from .vectors import PREFILTER, BitIndex, as_matrix
+from .vectors import PREFILTER, BitIndex, Filters, as_matrix
 
 if TYPE_CHECKING:
     from .config import Config
 
 log = logging.getLogger(__name__)
 
+# What the back-fill retries after (a locked or full disk included) instead of dying for the daemon's lifetime.
+BACKFILL_RETRY: tuple[type[Exception], ...] = (EmbedderError, StorageError, ValueError, *DB_ERRORS)
 # A filtered search that keeps too few prefilter candidates scans the filtered set exactly, up to this many rows.
 EXACT_LIMIT = 50_000
 
@@ -48,6 +50,7 @@ class VectorService:
         self.embedder: Embedder | None = None
         self.index: BitIndex | None = None
         self.pending = 0
+        self.generation = 0  # bumped by every memory write: caches of counts check it
         self.embedded = 0
         self.copied = 0
         self._busy = False
@@ -88,7 +91,7 @@ class VectorService:
             self._busy = True
             try:
                 done = await self._one_batch()
-            except (EmbedderError, StorageError, *DB_ERRORS, ValueError) as exc:  # a locked or full disk: retry
+            except BACKFILL_RETRY as exc:
                 failures += 1
                 self.error = f"back-fill failed ({failures}x), retrying: {exc}"
                 log.error("vector back-fill failed, retrying: %s", exc)
@@ -116,6 +119,7 @@ class VectorService:
 
     def wake(self) -> None:
         """Memories were committed: back-fill now."""
+        self.generation += 1
         self._promote()
         self._wake.set()
 
@@ -123,6 +127,7 @@ class VectorService:
         """These memories are being written (maybe with a new text), inside a transaction that has not committed:
         their vectors are checked at the first batch after the next `wake()` (or the next idle rescan)."""
         self._written.update(ids)
+        self.generation += 1
 
     def _promote(self) -> None:
         written = list(self._written)
@@ -187,50 +192,63 @@ class VectorService:
         async with self.store.atomic() as db:
             await apply_plan(db, plan)
         if self.index is None:
-            self.index = BitIndex(plan.model, len(plan.rows[0][2]) // 4)
+            self.index = BitIndex(plan.model, len(plan.rows[0][2]) // 4)  # the provider's first vectors
         self.index.upsert(plan.index_rows)
-        self.index.set_bits((i, bits) for i, (_, bits) in plan.remixed.items())
+        self.index.set_mixed((i, mixed, bits) for i, (mixed, bits) in plan.remixed.items())
         self.embedded += plan.embedded
         self.copied += plan.copied
         return False
 
     # --- queries ---------------------------------------------------------------------------------------------
 
-    def _embed_and_prefilter(
-        self, query: str, k: int, projects: Sequence[str] | None, raw: bool,
+    def _embed_and_rank(
+        self, query: str, filters: Filters, prefilter: int, raw: bool,
     ) -> tuple[np.ndarray, list[int], int, float]:
         assert self.embedder is not None and self.index is not None
         started = time.perf_counter()
         vector = np.frombuffer(self.embedder.embed([query])[0], dtype="<f4")
         embed_ms = (time.perf_counter() - started) * 1000
-        ids, eligible = self.index.nearest(self.index.query_words(vector), k, projects, raw=raw)
+        ids, _, eligible = self.index.search(vector, filters, prefilter, raw=raw)
         return vector, ids, eligible, embed_ms
 
     async def knn(
-        self, query: str, *, k: int, where: str, params: Sequence[Any], projects: Sequence[str] | None,
-        mixed: bool = True, prefilter: int = PREFILTER, timings: dict[str, float] | None = None,
+        self, query: str, *, k: int, filters: Filters, where: str, params: Sequence[Any], mixed: bool = True,
+        prefilter: int = PREFILTER, timings: dict[str, float] | None = None,
     ) -> list[tuple[int, float]] | None:
-        """The k memories (matching `where`, over alias m) nearest the query, with cosines; None without vectors."""
+        """The k memories nearest the query that pass the filters (`where`: the same, as SQL over alias m), with
+        their cosines; None when there are no vectors to search.
+
+        The index ranks by the filters it knows; then, best first, chunks of its ranking are re-ranked with the
+        float vectors from SQLite, which also checks what the index cannot know (archived): exact cosines, and
+        the filters hold even when the index lags a write.
+        """
         if self.state != "ready" or self.index is None or not len(self.index):
             return None
         started = time.perf_counter()
-        vector, ids, eligible, embed_ms = await asyncio.get_running_loop().run_in_executor(
-            self._query, self._embed_and_prefilter, query, max(prefilter, k), projects, not mixed)
+        vector, ranked, eligible, embed_ms = await asyncio.get_running_loop().run_in_executor(
+            self._query, self._embed_and_rank, query, filters, max(prefilter, k), not mixed)
         column = "mixed" if mixed else "vec"
         sql = (f"SELECT v.memory_id, v.{column} FROM memory_vectors v JOIN memories m ON m.id = v.memory_id"
-               f" WHERE v.model = ? AND {where}")
-        rows = await self.store.fetchall(sql + " AND v.memory_id IN (SELECT value FROM json_each(?))",
-                                         [self.index.model, *params, json.dumps(ids)])
-        if len(rows) < k and eligible > len(ids):
-            # The filters kept too few of the prefilter's candidates: search the filtered set exactly.
+               f" WHERE v.model = ? AND v.{column} IS NOT NULL AND {where}")
+        # Mixed: the int8 ranking is close to exact, so twice k is re-ranked; raw: only bits ranked, all of them.
+        step = 2 * k if mixed else len(ranked)
+        rows: list[Any] = []
+        for start in range(0, len(ranked), max(step, 1)):
+            chunk = ranked[start : start + step]
+            rows += await self.store.fetchall(sql + " AND v.memory_id IN (SELECT value FROM json_each(?))",
+                                              [self.index.model, *params, json.dumps(chunk)])
+            if len(rows) >= k:
+                break
+        if len(rows) < k and eligible > len(ranked):
+            # The archived ones took too many of the candidates: search what passes the filters exactly.
             rows = await self.store.fetchall(sql + " LIMIT ?", [self.index.model, *params, EXACT_LIMIT])
-        rows = [r for r in rows if r[1] is not None]
+        if timings is not None:
+            timings["embed_ms"] = round(embed_ms, 3)
         if not rows:
             return []
         cosines = as_matrix([r[1] for r in rows], self.index.dim) @ vector
         found = np.array([r[0] for r in rows], dtype=np.int64)
         order = np.lexsort((found, -cosines))[:k]
         if timings is not None:
-            timings["embed_ms"] = round(embed_ms, 3)
             timings["vec_ms"] = round((time.perf_counter() - started) * 1000, 3)
         return [(int(found[i]), float(cosines[i])) for i in order]

@@ -1,4 +1,9 @@
-"""The shim's spool: one msgpack file per event written while the daemon was away, replayed idempotently."""
+"""The shim's spool: one msgpack file per event written while the daemon was away, replayed idempotently.
+
+The one place where secrets sit unredacted: the shim imports nothing and cannot run `redact.py`, so a spool file
+holds the agent's raw hook bytes (as its own transcript file does). It is bounded instead: 0600 in a 0700 folder,
+unlinked as soon as its (redacted) event is committed, and a file the daemon refuses is kept redacted in `rejected/`.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,9 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".msgpack"
 RETRY_S = 5.0
+BATCH = 32
+# What a spool file can do wrong: it stays in spool/rejected (redacted) instead of blocking the rest.
+REJECT = (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, BadRequest)
 
 
 def _text(value: Any) -> Any:
@@ -46,8 +54,9 @@ def redacted_copy(data: bytes) -> bytes:
 class Spool:
     """Replays `<dir>/*.msgpack` through `ingest`; a file is unlinked only after its event is committed."""
 
-    def __init__(self, directory: Path, ingest: Callable[[dict[str, Any]], Awaitable[Any]]) -> None:
+    def __init__(self, directory: Path, ingest: Callable[[dict[str, Any]], Awaitable[Any]], batch: int = BATCH) -> None:
         self.dir = directory
+        self.batch = max(1, batch)
         self.rejected = directory / "rejected"
         self.ingest = ingest
         self.replayed = 0
@@ -68,35 +77,52 @@ class Spool:
         return len(self.pending())
 
     async def replay(self) -> int:
-        """Ingest every complete spool file; stop early (and retry later) if the store is struggling."""
+        """Ingest every complete spool file; stop early (and retry later) if the store is struggling.
+
+        Files go in concurrent groups of BATCH, so the event writer commits each group in one transaction; a file
+        is unlinked only after its own event is committed.
+        """
         done = 0
         async with self._lock:
-            for path in self.pending():
-                try:
-                    data = await asyncio.to_thread(path.read_bytes)
-                except FileNotFoundError:
-                    continue
-                try:
-                    args = msgpack.unpackb(data, raw=False)
-                    if not isinstance(args, dict):
-                        raise BadRequest("spool file does not hold a map")
-                    args.pop("context", None)
-                    args.pop("deadline_ms", None)
-                    args.pop("sent_at", None)
-                    await self.ingest(args)
-                except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
-                        BadRequest) as exc:
-                    self._move_aside(path, str(exc), data)
-                    continue
-                except LoomdError as exc:
-                    log.warning("spool replay paused at %s: %s", path.name, exc)
+            pending = self.pending()
+            for start in range(0, len(pending), self.batch):
+                loaded: list[tuple[Path, bytes]] = []
+                for path in pending[start:start + self.batch]:
+                    try:
+                        loaded.append((path, await asyncio.to_thread(path.read_bytes)))
+                    except FileNotFoundError:
+                        continue
+                results = await asyncio.gather(*(self._ingest_one(data) for _, data in loaded),
+                                               return_exceptions=True)
+                paused: BaseException | None = None
+                for (path, data), result in zip(loaded, results, strict=True):
+                    if result is None:
+                        path.unlink(missing_ok=True)
+                        done += 1
+                    elif isinstance(result, REJECT):
+                        self._move_aside(path, str(result), data)
+                    elif isinstance(result, LoomdError):
+                        paused = paused or result  # the file stays for the next pass
+                    elif isinstance(result, Exception):  # a bug, not the file's fault: keep it, never stall the rest
+                        log.error("spool file %s failed with %s", path.name, type(result).__name__)
+                        self._move_aside(path, f"{type(result).__name__}: {result}", data)
+                    else:
+                        raise result
+                if paused is not None:
+                    log.warning("spool replay paused: %s", redact_text(str(paused))[:300])
                     break
-                path.unlink(missing_ok=True)
-                done += 1
         if done:
             self.replayed += done
             log.info("replayed %d spooled event(s)", done)
         return done
+
+    async def _ingest_one(self, data: bytes) -> None:
+        args = msgpack.unpackb(data, raw=False)
+        if not isinstance(args, dict):
+            raise BadRequest("spool file does not hold a map")
+        args.pop("context", None)
+        args.pop("deadline_ms", None)
+        await self.ingest(args)
 
     def _move_aside(self, path: Path, why: str, data: bytes) -> None:
         """Keep a file the daemon cannot ingest for inspection, redacted: the shim spooled the agent's raw bytes."""
@@ -112,5 +138,9 @@ class Spool:
         watcher = watchfiles.awatch(self.dir, stop_event=stop, debounce=50, step=20, rust_timeout=int(RETRY_S * 1000),
                                     yield_on_timeout=True, recursive=False)
         async for _changes in watcher:
-            if self.backlog():
-                await self.replay()
+            # Keep going while each pass makes progress (a busy writer pauses a pass, it does not stop it);
+            # a pass that ingests nothing (a locked or full disk) waits for the next file or tick.
+            while self.backlog():
+                if not await self.replay():
+                    break
+                await asyncio.sleep(0.05)  # live hooks first

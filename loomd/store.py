@@ -23,8 +23,12 @@ try:  # sqlean.py raises its own exception classes, not sqlite3's: every handler
     import sqlean as _sqlean
 
     DB_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, _sqlean.Error)
+    # Errors in loomd's own statements, not in the storage: they stay `internal` (logged with a traceback).
+    DB_BUGS: tuple[type[Exception], ...] = (sqlite3.IntegrityError, sqlite3.ProgrammingError, _sqlean.IntegrityError,
+                                            _sqlean.ProgrammingError)
 except ImportError:  # connect_sync says what is missing
     DB_ERRORS = (sqlite3.Error,)
+    DB_BUGS = (sqlite3.IntegrityError, sqlite3.ProgrammingError)
 KEEP_IT = "loomd will not overwrite it; move it aside (or restore a backup) to start afresh"
 
 EXTENSION_HELP = (
@@ -152,17 +156,17 @@ class Store:
         """One write transaction at a time; rolled back on any exception, cancellation included."""
         async with self._write_lock:
             try:
+                # BEGIN inside the try: a caller cancelled while BEGIN runs on the connection's thread (a context
+                # deadline) must not leave the one writer connection inside a transaction for good. The ROLLBACK
+                # queues behind whatever statement is still running, so it always undoes the right thing.
                 await self.writer.execute("BEGIN IMMEDIATE")
-            except DB_ERRORS as exc:
-                raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
-            try:
                 yield self.writer
                 await self.writer.execute("COMMIT")
             except BaseException as exc:
-                # SQLite may already have rolled back (a full disk, an I/O error): that ROLLBACK error is noise.
+                # Nothing to roll back (BEGIN failed) or SQLite already did (a full disk, an I/O error): noise.
                 with contextlib.suppress(*DB_ERRORS):
                     await asyncio.shield(self.writer.execute("ROLLBACK"))
-                if isinstance(exc, DB_ERRORS):
+                if isinstance(exc, DB_ERRORS) and not isinstance(exc, DB_BUGS):
                     raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
                 raise
 

@@ -11,6 +11,7 @@ import aiosqlite
 
 from .errors import BadRequest, NotFound, TaskError
 from .memories import insert_memory
+from .redact import redact_text, redact_value
 
 STATES = ("draft", "active", "stable")
 OPEN_STATES = ("draft", "active")
@@ -99,10 +100,11 @@ async def update(db: aiosqlite.Connection, task_id: int, *, state: str | None = 
                 checked = check_evaluation(value)
             else:
                 checked = await check_memory_ref(db, value, task_id)
+            checked = redact_value(checked)  # a command line or a path may carry a token
             if checked not in meta["evidence"][kind]:
                 meta["evidence"][kind].append(checked)
     if note:
-        meta["notes"].append({"at": time.time(), "text": note[:500]})
+        meta["notes"].append({"at": time.time(), "text": redact_text(note)[:500]})
     await db.execute("UPDATE memories SET meta = ?, updated = ? WHERE id = ?", (json.dumps(meta), time.time(), task_id))
     return view(row, meta)
 

@@ -262,6 +262,9 @@ class Command:
         except (OSError, subprocess.TimeoutExpired) as exc:
             if self.may_fail:
                 return f"skipped `{self.script()}`: {exc}"
+            if isinstance(exc, FileNotFoundError):
+                raise InstallError(f"`{self.argv[0]}` is not on this machine (launchd is macOS only, systemd Linux "
+                                   f"only); `--print` shows the steps without running them") from exc
             raise InstallError(f"`{shlex.join(self.argv)}` failed: {exc}") from exc
         if done.returncode != 0 and not self.may_fail:
             detail = (done.stderr or done.stdout).strip()[-800:]

@@ -1,14 +1,16 @@
-"""Vector KNN: an in-memory 1-bit index over the stored vectors, re-ranked with the float vectors in SQLite.
+"""Vector KNN: an in-memory index over the stored vectors; SQLite stays the truth.
 
-`memory_vectors` (one row per memory) is the truth: the model's raw vector (`vec`), the vector KNN searches
-(`mixed` = normalise(raw + MIX_ALPHA x the raw vectors of up to MIX_WINDOW session neighbours on each side)),
-both vectors' sign bits (`bits`, `raw_bits`) and `recurrence` (derived from `memory_near`, see backfill.py).
-This module keeps the sign bits, and what partitions them (project, user scope, session), in numpy arrays.
+`memory_vectors` (one row per memory) holds the model's raw vector (`vec`), the vector KNN searches (`mixed` =
+normalise(raw + MIX_ALPHA x the raw vectors of up to MIX_WINDOW session neighbours on each side)), both vectors'
+sign bits (`bits`, `raw_bits`) and `recurrence` (from `memory_near`, see backfill.py). This index keeps, per memory:
+the sign bits of both vectors, the mixed vector in int8 (one scale per row), and the attributes search filters on
+that never change (project, user scope, session, kind, time). A search masks by those, takes the PREFILTER nearest
+by Hamming distance, re-ranks them with the int8 vectors, and the caller re-ranks the best of those with the float
+vectors from SQLite while it checks the filters that can change (archived).
 
 Why not a sqlite-vec `vec0` table: measured here at 100k 384-d rows, sqlite-vec 0.1.9's `bit[384]` KNN takes
 17 ms for k=100 and 87 ms for k=400 (30-200 ms with a partition key or metadata filters); a numpy popcount over
-the same 4.8 MB of bits takes 2 ms, any k, any project mask. Recall of the 1-bit prefilter is recovered by
-re-ranking PREFILTER candidates (not 100) with the float vectors; a set no larger than that is searched exactly.
+the same 4.8 MB of bits takes 2 ms, any k, any filter. Memory: 48 + 48 + 384 + 30 bytes a memory (41 MB at 100k).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# How many 1-bit candidates get a float re-rank: measured on MiniLM vectors, the top 1000 by Hamming distance
+# How many 1-bit candidates get a vector re-rank: measured on MiniLM vectors, the top 1000 by Hamming distance
 # hold 99% of the exact top 100 among 19k vectors.
 PREFILTER = 1000
 
@@ -43,15 +45,31 @@ def as_matrix(blobs: Sequence[bytes], dim: int) -> np.ndarray:
 @dataclass(frozen=True)
 class IndexRow:
     id: int
+    mixed: bytes  # float32 blob
     bits: bytes
     raw_bits: bytes
     project: str
-    user_scope: bool
+    scope: str
     session: str | None
+    kind: str
+    created: float
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What a search keeps; `project` also keeps user-scope memories (they follow the user everywhere)."""
+
+    project: str | None = None
+    scope: str | None = None
+    kinds: tuple[str, ...] | None = None
+    since: float | None = None
+    until: float | None = None
+    session: str | None = None
+    include_archived: bool = False
 
 
 class BitIndex:
-    """Sign bits of one model's vectors, with each memory's project, scope and session, for masked Hamming KNN.
+    """One model's vectors in numpy arrays, for masked Hamming prefiltering and int8 re-ranking.
 
     Writers (the back-fill, after its commit) and readers (searches, in a worker thread) share it under a lock.
     """
@@ -62,14 +80,14 @@ class BitIndex:
         self.words = (dim + 63) // 64
         self._lock = threading.Lock()
         self._n = 0
-        self._ids = np.zeros(0, dtype=np.int64)
-        self._bits = np.zeros((0, self.words), dtype=np.uint64)
-        self._raw = np.zeros((0, self.words), dtype=np.uint64)
-        self._project = np.zeros(0, dtype=np.int32)
-        self._user = np.zeros(0, dtype=bool)
-        self._session = np.zeros(0, dtype=np.int64)
         self._pos: dict[int, int] = {}
-        self._codes: dict[str | None, int] = {}
+        self._codes: dict[str, int] = {}
+        self._arrays: dict[str, np.ndarray] = {
+            "id": np.zeros(0, np.int64), "bits": np.zeros((0, self.words), np.uint64),
+            "raw": np.zeros((0, self.words), np.uint64), "vec": np.zeros((0, dim), np.int8),
+            "scale": np.zeros(0, np.float32), "project": np.zeros(0, np.int32), "scope": np.zeros(0, np.int32),
+            "session": np.zeros(0, np.int64), "kind": np.zeros(0, np.int32), "created": np.zeros(0, np.float64),
+        }
 
     def __len__(self) -> int:
         return self._n
@@ -77,7 +95,7 @@ class BitIndex:
     def __contains__(self, memory_id: int) -> bool:
         return memory_id in self._pos
 
-    def _code(self, name: str | None) -> int:
+    def _code(self, name: str) -> int:
         return self._codes.setdefault(name, len(self._codes))
 
     def words_of(self, bits: bytes) -> np.ndarray:
@@ -89,85 +107,113 @@ class BitIndex:
     def query_words(self, vector: np.ndarray) -> np.ndarray:
         return self.words_of(sign_bits(vector)[0])
 
+    def _quantise(self, mixed: bytes) -> tuple[np.ndarray, float]:
+        vector = as_matrix([mixed], self.dim)[0]
+        peak = float(np.abs(vector).max()) or 1.0
+        return np.round(vector * (127.0 / peak)).astype(np.int8), peak / 127.0
+
     def _grow(self, need: int) -> None:
-        size = max(need, 1024, int(len(self._ids) * 1.5))
-        for name in ("_ids", "_bits", "_raw", "_project", "_user", "_session"):
-            old = getattr(self, name)
+        size = max(need, 1024, int(len(self._arrays["id"]) * 1.5))
+        for name, old in self._arrays.items():
             new = np.zeros((size, *old.shape[1:]), dtype=old.dtype)
             new[: self._n] = old[: self._n]
-            setattr(self, name, new)
+            self._arrays[name] = new
 
     def upsert(self, rows: Iterable[IndexRow]) -> None:
         with self._lock:
+            a = self._arrays
             for row in rows:
                 at = self._pos.get(row.id)
                 if at is None:
-                    if self._n == len(self._ids):
+                    if self._n == len(a["id"]):
                         self._grow(self._n + 1)
+                        a = self._arrays
                     at = self._n
                     self._n += 1
                     self._pos[row.id] = at
-                    self._ids[at] = row.id
-                self._bits[at] = self.words_of(row.bits)
-                self._raw[at] = self.words_of(row.raw_bits)
-                self._project[at] = self._code(row.project)
-                self._user[at] = row.user_scope
-                self._session[at] = self._code(row.session) if row.session is not None else -1 - row.id
+                    a["id"][at] = row.id
+                a["bits"][at] = self.words_of(row.bits)
+                a["raw"][at] = self.words_of(row.raw_bits)
+                a["vec"][at], a["scale"][at] = self._quantise(row.mixed)
+                a["project"][at] = self._code("p:" + row.project)
+                a["scope"][at] = self._code("s:" + row.scope)
+                # A memory without a session is a session of its own (for recurrence).
+                a["session"][at] = self._code("t:" + row.session) if row.session is not None else -1 - row.id
+                a["kind"][at] = self._code("k:" + row.kind)
+                a["created"][at] = row.created
 
-    def set_bits(self, updates: Iterable[tuple[int, bytes]]) -> None:
-        """New mixed-vector bits for memories already in the index (their session neighbours changed)."""
+    def set_mixed(self, updates: Iterable[tuple[int, bytes, bytes]]) -> None:
+        """New mixed vectors (and their bits) for memories already indexed: their session neighbours changed."""
         with self._lock:
-            for memory_id, bits in updates:
+            a = self._arrays
+            for memory_id, mixed, bits in updates:
                 at = self._pos.get(memory_id)
                 if at is not None:
-                    self._bits[at] = self.words_of(bits)
+                    a["bits"][at] = self.words_of(bits)
+                    a["vec"][at], a["scale"][at] = self._quantise(mixed)
 
-    def _mask(self, projects: Sequence[str] | None, include_user: bool) -> np.ndarray | None:
-        if projects is None:
-            return None
-        codes = [self._codes[p] for p in projects if p in self._codes]
-        mask = np.isin(self._project[: self._n], codes)
-        if include_user:
-            mask |= self._user[: self._n]
+    def _mask(self, f: Filters) -> np.ndarray | None:
+        a, n, codes = self._arrays, self._n, self._codes
+        mask: np.ndarray | None = None
+
+        def both(part: np.ndarray) -> None:
+            nonlocal mask
+            mask = part if mask is None else mask & part
+
+        if f.project is not None:
+            user = codes.get("s:user", -1)
+            both((a["project"][:n] == codes.get("p:" + f.project, -1)) | (a["scope"][:n] == user))
+        if f.scope is not None:
+            both(a["scope"][:n] == codes.get("s:" + f.scope, -1))
+        if f.kinds is not None:
+            both(np.isin(a["kind"][:n], [codes[k] for k in ("k:" + x for x in f.kinds) if k in codes]))
+        if f.session is not None:
+            both(a["session"][:n] == codes.get("t:" + f.session, -(2**62)))
+        if f.since is not None:
+            both(a["created"][:n] >= f.since)
+        if f.until is not None:
+            both(a["created"][:n] <= f.until)
         return mask
 
-    def nearest(
-        self, query: np.ndarray, k: int, projects: Sequence[str] | None = None, include_user: bool = True,
-        raw: bool = False,
-    ) -> tuple[list[int], int]:
-        """Ids of the k nearest by Hamming distance (equal distances by id), and how many rows were eligible."""
+    def search(
+        self, vector: np.ndarray, filters: Filters, prefilter: int = PREFILTER, raw: bool = False,
+    ) -> tuple[list[int], list[float], int]:
+        """Candidates best first with their approximate cosines (int8; None-free), and how many rows qualified.
+
+        With `raw` the ranking stops at Hamming distance over the raw vectors' bits (the caller re-ranks)."""
+        query = self.query_words(vector)
         with self._lock:
-            n = self._n
-            ids = self._ids[:n]
-            table = (self._raw if raw else self._bits)[:n]
-            mask = self._mask(projects, include_user)
-            if mask is not None:
-                ids, table = ids[mask], table[mask]
-            eligible = len(ids)
-            if eligible <= k:
-                return sorted(ids.tolist()), eligible
-            distance = np.bitwise_count(table ^ query).sum(axis=1, dtype=np.int32)
-        top = np.argpartition(distance, k)[:k]
-        order = np.lexsort((ids[top], distance[top]))
-        return ids[top][order].tolist(), eligible
+            a, n = self._arrays, self._n
+            mask = self._mask(filters)
+            rows = np.flatnonzero(mask) if mask is not None else np.arange(n)
+            eligible = len(rows)
+            if eligible > prefilter:
+                table = (a["raw"] if raw else a["bits"])[rows]
+                distance = np.bitwise_count(table ^ query).sum(axis=1, dtype=np.int32)
+                rows = rows[np.argpartition(distance, prefilter)[:prefilter]]
+            ids = a["id"][rows]
+            if raw:
+                return sorted(ids.tolist()), [], eligible
+            cosines = (a["vec"][rows].astype(np.float32) @ vector) * a["scale"][rows]
+        order = np.lexsort((ids, -cosines))
+        return ids[order].tolist(), cosines[order].tolist(), eligible
 
     def near_candidates(
         self, query: np.ndarray, k: int, project: str, session: str | None, memory_id: int
     ) -> list[int]:
         """Raw-vector neighbours by Hamming distance in the same project and another session (recurrence)."""
         with self._lock:
-            n = self._n
-            if project not in self._codes:
+            a, n = self._arrays, self._n
+            if "p:" + project not in self._codes:
                 return []
-            mask = self._project[:n] == self._codes[project]
-            own = self._codes.get(session, -2) if session is not None else -1 - memory_id
-            mask &= self._session[:n] != own
-            ids = self._ids[:n][mask]
+            mask = a["project"][:n] == self._codes["p:" + project]
+            own = self._codes.get("t:" + session, -2) if session is not None else -1 - memory_id
+            mask &= a["session"][:n] != own
+            ids = a["id"][:n][mask]
             if len(ids) == 0:
                 return []
-            distance = np.bitwise_count(self._raw[:n][mask] ^ query).sum(axis=1, dtype=np.int32)
+            distance = np.bitwise_count(a["raw"][:n][mask] ^ query).sum(axis=1, dtype=np.int32)
         if len(ids) > k:
             top = np.argpartition(distance, k)[:k]
             ids, distance = ids[top], distance[top]
         return ids[np.lexsort((ids, distance))].tolist()
-

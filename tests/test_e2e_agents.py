@@ -10,6 +10,7 @@ spool and are ingested exactly once when the daemon comes back. The clients come
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from agents import (
     require_binary,
     run_claude,
     run_codex,
+    run_process,
     write_codex_config,
 )
 from conftest import REPO, DaemonProcess
@@ -209,6 +211,8 @@ def test_loom_install_then_one_turn_up_and_down(
     sid_down, kinds_down = session_of(home, client, {sid}, FIRED[client])
     assert kinds_down == FIRED[client], kinds_down
     assert not (home / "spool" / "rejected").exists()
+    print(f"{client}: turn {up.elapsed:.1f} s with the daemon, {down.elapsed:.1f} s without; {len(spooled)} events "
+          f"spooled, each ingested once after restart; start block of {len(block)} chars reached the model")
 
 
 @pytest.mark.parametrize("client", ["claude", "codex"])
@@ -272,3 +276,56 @@ def test_uninstall_leaves_the_client_as_it_was(
     time.sleep(1)  # a late hook would have landed by now
     assert len(hook_events(home, client)) == count, "a loomd hook still ran after uninstall"
     assert spool_files(home) == []
+
+
+def test_claude_failed_tool_and_compaction(
+    dirs: tuple[Path, Path], home: Path, daemon_process: Callable[..., DaemonProcess]
+) -> None:
+    """The hooks a plain turn does not fire: a failing tool (PostToolUseFailure), then `/compact` on the resumed
+    session (SessionStart resume, PreCompact, SessionStart compact with its own block, PostCompact with the
+    summary); the next turn carries what loomd returned after compaction."""
+    import uuid
+
+    binary = require_binary("claude")
+    agent_home, proj = dirs
+    env = client_env("claude", agent_home, home, binary)
+    loom_cli("install", "claude", env=env)
+    daemon_process().start()
+    call(home, "store", text=MEMORY, kind="constraint", cwd=str(proj))
+    sid = str(uuid.uuid4())
+    extra = {"LOOMD_HOME": str(home)}
+    with AnthropicFake(tool_input={"command": "echo tool-ran; exit 3"}) as fake:
+        for prompt, args in ((PROMPT, ["--session-id", sid]), ("/compact", ["--resume", sid]),
+                             ("and now?", ["--resume", sid])):
+            run = run_claude(prompt, home=agent_home, cwd=proj, base_url=fake.url, args=args, env=extra,
+                             binary=binary, timeout=120)
+            assert run.returncode == 0, run
+        expected = Counter(["SessionStart"] * 4 + ["UserPromptSubmit"] * 2 + ["PostToolUseFailure", "PreCompact",
+                                                                              "PostCompact"])
+        session_of(home, "claude", set(), expected)
+        saw = model_saw(fake)
+    events = call(home, "events", session_id=sid, limit=500)["events"]
+    hooks = Counter(e["kind"] for e in events if e["source"] == "hook")
+    assert hooks["PostToolUseFailure"] >= 1 and hooks["PostToolUse"] == 0  # a failed tool has its own event
+    starts = [json.loads(e["payload"])["source"] for e in events if e["kind"] == "SessionStart"]
+    assert starts == ["startup", "resume", "compact", "resume"]
+    [post] = [json.loads(e["payload"]) for e in events if e["kind"] == "PostCompact"]
+    assert post["compact_summary"] == fake.final_text
+    # what the shim printed after compaction, as Claude recorded it in the transcript, is what the model then saw
+    [transcript] = (agent_home / ".claude" / "projects").glob(f"*/{sid}.jsonl")
+    printed = [json.loads(line)["attachment"]["stdout"] for line in transcript.read_text().splitlines()
+               if '"SessionStart:compact"' in line and '"hook_success"' in line]
+    [block] = [json.loads(out)["hookSpecificOutput"]["additionalContext"] for out in printed]
+    assert block.startswith("[LOOM]") and block in saw
+    assert spool_files(home) == []
+
+
+def test_claude_validates_the_marketplace_and_plugin(tmp_path: Path, home: Path) -> None:
+    """`claude plugin validate` on the checked-in marketplace and plugin and on what `loom install` renders."""
+    binary = require_binary("claude")
+    env = client_env("claude", tmp_path, home, binary)
+    loom_cli("install", "claude", "--settings-only", env=env)  # renders <LOOMD_HOME>/plugin, registers nothing
+    for path in (REPO, REPO / "plugin", home / "plugin", home / "plugin" / "loom"):
+        run = run_process([binary, "plugin", "validate", str(path)], cwd=tmp_path, env=env, timeout=60)
+        assert run.returncode == 0 and "Validation passed" in run.stdout, run
+        assert "warning" not in run.stdout.lower(), run

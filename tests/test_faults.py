@@ -193,6 +193,14 @@ def stored_rows(db: Path) -> list[tuple[str, str]]:
         conn.close()
 
 
+def event_times(db: Path) -> dict[str, float]:
+    conn = connect_sync(db)
+    try:
+        return {r[0]: r[1] for r in conn.execute("SELECT key, ts FROM events")}
+    finally:
+        conn.close()
+
+
 def tally(name: str, records: list[list[Any]], db: Path, **extra: Any) -> dict[str, Any]:
     """Every sent event against the database: stored exactly once, nothing acknowledged and then lost."""
     rows = stored_rows(db)
@@ -201,12 +209,17 @@ def tally(name: str, records: list[list[Any]], db: Path, **extra: Any) -> dict[s
     statuses = Counter(r[1] for r in records)
     missing = [r for r in records if by_key[f"eid:{r[0]}"] == 0]
     acked_lost = [r for r in missing if r[1] == "acked"]
+    # The eid starts with the shim's clock in ns: a spooled event keeps the time it happened, not its replay time.
+    times = event_times(db)
+    skew = max((abs(times[f"eid:{r[0]}"] - int(r[0][:16], 16) / 1e9) for r in records if f"eid:{r[0]}" in times),
+               default=0.0)
     duplicated = sum(n - 1 for n in by_key.values() if n > 1) + sum(
         n - 1 for marker, n in by_marker.items() if marker and n > 1)
     report = {
         "fault": name, "sent": len(records), "acknowledged": statuses["acked"], "spooled": statuses["spooled"],
         "stored": sum(1 for r in records if by_key[f"eid:{r[0]}"] >= 1), "duplicated": duplicated,
-        "lost": len(missing) + statuses["lost"], "acked_then_lost": len(acked_lost), **extra,
+        "lost": len(missing) + statuses["lost"], "acked_then_lost": len(acked_lost),
+        "max_event_time_skew_s": round(skew, 3), **extra,
     }
     emit(report)
     return report
@@ -218,6 +231,7 @@ def emit(report: dict[str, Any]) -> None:
 
 def assert_clean(report: dict[str, Any]) -> None:
     assert report["acked_then_lost"] == 0, report
+    assert report["max_event_time_skew_s"] < 1.0, report
     assert report["lost"] == 0, report
     assert report["duplicated"] == 0, report
     assert report["stored"] == report["sent"] == report["acknowledged"] + report["spooled"], report
@@ -389,7 +403,7 @@ def test_database_locked_by_another_process(daemon_process: Callable[..., Daemon
             pings.append(time.monotonic() - p0)
             time.sleep(0.05)
         backlog_during = c.call("status")["spool_backlog"]
-    assert max(pings) < 0.5, pings
+    assert max(pings) < 2.0, pings  # answered while the writer waits out a 4 s lock
     assert locker.wait(30) == 0
     locked_s = time.monotonic() - t0
     records, why = load.wait()
@@ -507,7 +521,7 @@ def test_unwritable_spool_dir_shim_exits_0_in_time_and_logs_why(home: Path, daem
         if stalled is not None:
             stalled.close()
     assert proc.returncode == 0 and proc.stdout == b"" and proc.stderr == b""
-    assert took < 0.4 + 1.0, took  # its deadline, plus the interpreter's start on a loaded machine
+    assert took < 0.4 + 1.5, took  # its deadline, plus the interpreter's start on a loaded machine
     assert list(spool.iterdir()) == []
     line = (home / "hook.log").read_text().strip().splitlines()[-1]
     assert "event=Stop" in line and " lost: " in line and "PermissionError" in line, line
@@ -610,3 +624,55 @@ def test_sqlean_errors_are_storage_errors(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="loomd will not overwrite it"):
         open_checked(bad)
     assert bad.read_bytes() == b"x" * 8192
+
+
+# ---------------------------------------------------------------- the 30-second soak
+
+
+@pytest.mark.slow
+def test_soak_30_seconds() -> None:
+    """bench/soak.py --quick: mixed load for 30 s; no errors, flat memory, no descriptor or thread leak."""
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--quick", "--no-series"],
+                         capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    summary = {"throughput_per_s": report["throughput_per_s"], "errors": report["errors"], "busy": report["busy"],
+               "p99_ms": {op: v["p99_ms"] for op, v in report["ops"].items()},
+               "rss_mb": report["rss_mb"], "fds": report["fds"], "threads": report["threads"],
+               "over_shim_deadline": report["over_shim_deadline"], "daemon_log": report["daemon_log"]}
+    print(f"\nSOAK {json.dumps(summary)}")
+    assert report["errors"] == 0, report["first_errors"]
+    assert report["busy"] == 0
+    assert report["daemon_exit"] == 0 and report["daemon_log"]["tracebacks"] == 0
+    assert report["ops"]["hook"]["count"] > 100 and report["ops"]["search"]["count"] > 50
+    assert report["rss_mb"]["growth_after_warmup"] < 50, report["rss_mb"]
+    assert report["fds"]["end"] <= report["fds"]["after_warmup"] + 5, report["fds"]
+    assert report["threads"]["end"] <= report["threads"]["start"] + 8, report["threads"]
+
+
+# ---------------------------------------------------------------- cancellation never wedges the writer
+
+
+async def test_cancelled_writes_never_leave_the_writer_inside_a_transaction(store: Any) -> None:
+    """A caller cancelled mid-write (a `context` deadline, a shutdown) at any point: BEGIN, body or COMMIT.
+
+    Found by the soak: a cancelled BEGIN left the daemon's one writer connection inside a transaction, and every
+    later write failed with "cannot start a transaction within a transaction" until a restart.
+    """
+    import asyncio
+
+    async def write(n: int) -> None:
+        async with store.atomic() as db:
+            await db.execute("INSERT INTO checkpoints (name, value, updated) VALUES (?, ?, 0)"
+                             " ON CONFLICT(name) DO UPDATE SET value = excluded.value", ("c", str(n)))
+
+    for n in range(48):
+        task = asyncio.create_task(write(n))
+        for _ in range(n % 8):  # cancel at every stage of the write
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        async with store.atomic() as db:  # the next writer must start clean
+            await db.execute("SELECT 1")
+    await write(999)
+    assert await store.scalar("SELECT value FROM checkpoints WHERE name = 'c'") == "999"

@@ -254,3 +254,36 @@ async def test_wrong_model_file_leaves_full_text_search_and_says_so(
         d.should_exit.set()
         await asyncio.wait_for(task, 30)
     assert os.environ["LOOMD_EMBED_MODEL_PATH"] == str(bad)
+
+
+async def test_restart_reads_the_index_and_replaces_vectors_of_another_model(home: Path, sock_path: Path) -> None:
+    async def run(body: Any) -> Any:
+        d = Daemon(load_config())
+        task = asyncio.create_task(d.serve())
+        await wait_for_socket(sock_path)
+        try:
+            async with AsyncClient(sock_path) as client:
+                return await body(client)
+        finally:
+            d.should_exit.set()
+            await asyncio.wait_for(task, 30)
+
+    async def first(client: AsyncClient) -> list[int]:
+        ids = await store_all(client, ["the cache lives in redis", "deploys go through rsync"])
+        await caught_up(client)
+        return ids
+
+    ids = await run(first)
+    from loomd.store import connect_sync
+
+    db = connect_sync(home / "loomd.db")
+    db.execute("UPDATE memory_vectors SET model = 'some-older-model' WHERE memory_id = ?", (ids[0],))
+    db.close()
+
+    async def second(client: AsyncClient) -> dict[str, Any]:
+        status = await caught_up(client)
+        assert ids_of(await search(client, "where is the cache kept", mode="semantic"))[0] == ids[0]
+        return status
+
+    status = await run(second)
+    assert status["vectors"] == 2 and status["embedded"] == 1  # one read back from disk, one embedded afresh

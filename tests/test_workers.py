@@ -527,3 +527,51 @@ async def test_a_real_session_yields_useful_observations_and_reflections(monkeyp
         assert "insight" in durable and "decision" in durable
         found = await client.call("search", query="pytest command not found virtual environment", limit=5)
         assert any(".venv" in r["text"] for r in found["results"])
+
+
+async def test_every_real_session_replays_into_observations_and_reflections(monkeypatch, home) -> None:
+    root = need_test_data("transcripts")
+    from loomd.transcript import detect_format
+
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".json", ".jsonl") and detect_format(p) is not None)
+    async with loomd(monkeypatch, home) as (d, client):
+        assert d.tailer is not None and d.scheduler is not None
+        for path in files:
+            await d.tailer.import_file(path)
+        sessions = [r[0] for r in await db_rows(d, "SELECT id FROM sessions")]
+        for session in sessions:
+            assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] \
+                in ("ok", "noop")
+        for project in [r[0] for r in await db_rows(d, "SELECT DISTINCT project FROM memories")]:
+            for name in ("reflector", "digest"):
+                assert (await client.call("workers_run", name=name, project=project))["outcome"] in ("ok", "noop")
+        talk = await db_rows(d, "SELECT DISTINCT session_id FROM events WHERE kind IN ('user_message',"
+                                " 'assistant_message') AND payload NOT LIKE '%REDACTED_PROMPT%'")
+        observed = {r[0] for r in await db_rows(d, "SELECT DISTINCT session_id FROM memories"
+                                                   " WHERE kind = 'observation'")}
+        assert {r[0] for r in talk} <= observed
+        reflected = await d.store.scalar(
+            "SELECT count(DISTINCT o.session_id) FROM edges e JOIN memories o ON o.id = e.src_id"
+            " WHERE e.type = 'supports' AND e.src_type = 'memory' AND e.dst_type = 'memory'")
+        assert reflected >= len(observed) // 2
+        assert await d.store.scalar("SELECT count(*) FROM jobs WHERE outcome = 'error'") == 0
+        too_long = await d.store.scalar("SELECT count(*) FROM memories WHERE kind = 'observation'"
+                                        " AND length(text) > 200")
+        assert too_long == 0
+
+
+def test_the_replay_script_prints_and_writes_json(tmp_path: Path) -> None:
+    need_test_data("transcripts", "daaain-claude-code-log", "-src-deep-manifest")
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path / "replay.json"
+    proc = subprocess.run([sys.executable, "bench/replay.py", "--only=-src-deep-manifest/a7da", "--json",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "observations (" in proc.stdout and "durable memories" in proc.stdout
+    data = json.loads(out.read_text())
+    [session] = data["sessions"]
+    assert session["observations"] and session["durable"] and not data["failed_runs"]

@@ -92,11 +92,14 @@ class Digest:
                                             " AND kind = 'observation'", (req.session_id,))
             projects = [r[0] for r in rows]
         else:
+            # Periodic: only projects whose durable memories changed (written, merged, archived) since their digest.
             marks = ",".join("?" * len(REFLECTION_KINDS))
             rows = await ctx.store.fetchall(
-                f"SELECT DISTINCT project FROM memories WHERE kind IN ({marks}) AND archived_at IS NULL",
+                f"SELECT m.project FROM memories m LEFT JOIN checkpoints c ON c.name = 'digest:' || m.project"
+                f" WHERE m.kind IN ({marks}) GROUP BY m.project"
+                f" HAVING c.updated IS NULL OR max(max(m.updated), coalesce(max(m.archived_at), 0)) > c.updated",
                 REFLECTION_KINDS)
-            projects = [r[0] for r in rows]
+            projects = sorted({r[0] for r in rows} | set(req.keys))
         for project in projects:
             async with ctx.write(req.dry_run) as db:
                 await self.digest(ctx, db, project, report, req.dry_run)

@@ -47,7 +47,9 @@ AT_ONCE = frozenset({"constraint", "preference", "pitfall", "decision", "todo"})
 SAME_JACCARD = 0.7
 # Short items of a list ("Unfinished: test the recorder" / "Unfinished: test the synth") differ by one word.
 SAME_JACCARD_BY_KIND = {"handoff": 0.85, "procedure": 0.85, "decision": 0.75}
-SAME_COSINE = 0.92
+# Calibrated on the local MiniLM: paraphrases of one rule score ~0.7, while "always X" / "never X" score 0.96 —
+# so a vector match also needs the same polarity and some shared words.
+SAME_COSINE = 0.88
 _LABEL = re.compile(r"^(?:[A-Z][\w ()]{0,30}|Committed [0-9a-f]{7}):\s+")
 CONTRADICT_JACCARD = 0.5
 HANDOFF_TTL_S = 30 * 86400
@@ -95,10 +97,17 @@ def words_of(text: str) -> frozenset[str]:
     return content_words(_LABEL.sub("", text, count=1))
 
 
+def command_key(mem: Mem) -> str:
+    """Procedures are the same when their commands are (flags aside), whatever the description says."""
+    return text_key(str(mem.meta.get("command") or _LABEL.sub("", mem.text, count=1)))
+
+
 def same_meaning(a: Mem, b: Mem) -> bool:
     """Do two memories say the same thing (so one should support the other)?"""
     if a.hash == b.hash:
         return True
+    if "command" in a.meta and "command" in b.meta:
+        return command_key(a) == command_key(b)
     if polarity(a.text) != polarity(b.text):
         return False
     choice_a, choice_b = _CHOICE.match(a.text), _CHOICE.match(b.text)
@@ -254,7 +263,7 @@ class Reflector:
                 continue
             kind, members = target_kind(obs), [obs]
             if kind is None and obs.type == "procedure":
-                members = [p for p in peers if p.type == "procedure" and text_key(p.text) == text_key(obs.text)]
+                members = [p for p in peers if p.type == "procedure" and command_key(p) == command_key(obs)]
                 members = members or [obs]
                 runs = sum(int(m.meta.get("runs", 1)) + m.hits for m in members)
                 kind = "procedure" if runs >= 2 else None
@@ -298,6 +307,8 @@ class Reflector:
         if kind == "insight" and obs.type == "error":
             text = f"Recurring error: {obs.text}"
         meta = {"type": obs.type, "key": text_key(text), "supports": len(members)}
+        if "command" in obs.meta and kind == "procedure":
+            meta["command"] = obs.meta["command"]
         expires = max(now, obs.created) + HANDOFF_TTL_S if kind == "handoff" else None
         created = max(m.created for m in members)
         memory_id, is_new = await insert_memory(

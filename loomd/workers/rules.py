@@ -43,6 +43,13 @@ from .text import (
     user_sentences,
 )
 
+# Failures of the environment, not of the code: a command that then works differently is a lesson.
+ENVIRONMENT = re.compile(
+    r"command not found|not found in path|no such file|not installed|no module named|cannot find module|"
+    r"permission denied|unauthori[sz]ed|forbidden|\b40[13]\b|credentials|token|not recognized|enoent|"
+    r"could not resolve|connection refused|timed? ?out|already exists|would be overwritten|not a git repository|"
+    r"unknown (?:option|command|flag)|invalid option|usage:|requires? (?:python|node|version)|not supported|"
+    r"locked|in use|address already|is not (?:set|defined)|missing (?:env|variable|dependency)", re.IGNORECASE)
 TYPES = ("constraint", "preference", "goal", "decision", "finding", "progress", "error", "pitfall", "procedure",
          "blocker", "todo", "topic")
 IMPORTANCE = {"constraint": 0.9, "preference": 0.85, "decision": 0.7, "pitfall": 0.75, "procedure": 0.65,
@@ -63,6 +70,10 @@ class _Failure:
     at: int  # the lane's run counter when it failed
     why: str = ""
     tests_ran: bool = False  # the tests ran and some failed (not: the runner could not start)
+
+
+def _bare(command: str) -> str:
+    return " ".join(command.replace("(", " ").replace(")", " ").split())
 
 
 def _same_job(failed: str, fixed: str) -> bool:
@@ -96,8 +107,7 @@ class RuleObserver:
         self.final = final
         self.out: list[Observation] = []
         self.lanes: dict[str, _Lane] = {}
-        self.procedures: dict[str, tuple[Step, int, str]] = {}  # command -> (last step, runs, summary)
-        self.goals_seen = 0
+        self.procedures: dict[str, tuple[Step, int, str]] = {}  # command -> (last step, new runs, summary)
 
     def is_new(self, step: Step) -> bool:
         return step.ids[-1] in self.new_ids
@@ -120,7 +130,10 @@ class RuleObserver:
                 self.open_todos(lane)
         for command, (step, runs, summary) in self.procedures.items():
             label = "Tests pass" if TEST_COMMAND.search(command) else "Works"
-            self.emit("procedure", f"{label}: {tick(command, 150)}", step, command=command, runs=runs,
+            # Claude's Bash calls say what they are for: "which command does what" is the point of a procedure.
+            what = str(step.tool_input.get("description") or "").strip()
+            what = f" ({clip(what, 60)})" if what and len(command) < 130 else ""
+            self.emit("procedure", f"{label}: {tick(command, 150)}{what}", step, command=command, runs=runs,
                       summary=summary)
         return dedupe(self.out)
 
@@ -334,7 +347,10 @@ class RuleObserver:
                 self.emit("progress", f"Tests green: {tick(short_command(command, 70))}"
                                       f"{' (' + summary + ')' if summary else ''}; was failing: {fixed.line}",
                           step, [fixed.step], command=command)
-            elif short_command(fixed.step.command) != short_command(command):
+            elif short_command(fixed.step.command) != short_command(command) and (
+                    ENVIRONMENT.search(fixed.line) or _bare(fixed.step.command) not in _bare(command)):
+                # A different command line, or the same one after the environment was fixed: a pitfall. The same
+                # command passing after code edits is just work getting done (the edits are their own notes).
                 why = f" ({fixed.why})" if fixed.why else ""
                 self.emit("pitfall", f"{tick(short_command(fixed.step.command, 50))} failed ({clip(fixed.line, 70)}); "
                                      f"{tick(short_command(command, 70))} worked{why}", step, [fixed.step],
@@ -352,8 +368,9 @@ class RuleObserver:
         if (not plumbing and not filtered and len(first_line) <= 160
                 and (is_test or PROCEDURE_COMMAND.search(first_line))):
             key = short_command(command, 150)
-            _, runs, _ = self.procedures.get(key, (step, 0, ""))
-            self.procedures[key] = (step, runs + 1, summary)
+            if self.is_new(step):  # earlier runs were counted when their own batch was observed
+                _, runs, _ = self.procedures.get(key, (step, 0, ""))
+                self.procedures[key] = (step, runs + 1, summary)
 
 
 def dedupe(observations: Sequence[Observation]) -> list[Observation]:

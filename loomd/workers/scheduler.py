@@ -169,6 +169,11 @@ class Scheduler:
                 if task is not None:
                     self.running.discard(task)
             await self._end(report, outcome, error)
+        if name == "observer":
+            for session in report.detail.get("sessions", []):
+                self.unobserved.pop(session, None)
+        if trigger == "manual" and self.pending[name] and self.aps is not None and not self.stopping:
+            self.aps.modify_job(name, next_run_time=dt.datetime.now(dt.UTC))  # triggers that waited for us
         return {"job_id": report.job_id, "worker": name, "outcome": outcome, "error": error,
                 "items_in": report.items_in, "items_out": report.items_out, "dry_run": dry_run,
                 "duration_s": round(time.time() - started, 3), "output": report.output, "detail": report.detail}
