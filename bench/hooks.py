@@ -315,8 +315,8 @@ def machine() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=None, help="runs per variant (default 200, --quick 40)")
-    parser.add_argument("--quick", action="store_true", help="40 runs per variant: well under a minute")
+    parser.add_argument("--runs", type=int, default=None, help="runs per variant (default 200, --quick 30)")
+    parser.add_argument("--quick", action="store_true", help="30 runs per variant: under a minute")
     parser.add_argument("--events", default=",".join(EVENTS), help="comma-separated event kinds")
     parser.add_argument("--python", default=sys.executable, help="absolute interpreter for the hooks and the floor")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="transcripts dir with hook logs")
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-plain", action="store_true", help="skip the checked-in plugin's command")
     parser.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the daemon")
     opts = parser.parse_args(argv)
-    runs = opts.runs or (40 if opts.quick else 200)
+    runs = opts.runs or (30 if opts.quick else 200)
     python = str(Path(opts.python).absolute())  # never resolve symlinks: a venv's python must stay the venv's
     events = [e for e in opts.events.split(",") if e]
     unknown = [e for e in events if e not in EVENTS]

@@ -22,6 +22,7 @@ from . import __version__, units
 from .client import Client
 from .config import Config, load_config
 from .errors import LoomdError
+from .plugin import PINNED_PYTHON, PREAMBLE
 from .store import connect_sync
 
 HOOK_MARKERS = ("loom-hook", "loom_hook")
@@ -377,6 +378,18 @@ def _broken(command: str, plugin_root: Path | None = None) -> str | None:
     """Why a hook command cannot run (a missing interpreter or shim), or None."""
     if plugin_root is not None:
         command = command.replace("${CLAUDE_PLUGIN_ROOT}", str(plugin_root))
+    if PREAMBLE in command:
+        # The checked-in plugin finds its interpreter in the shell: a pinned path, else python3 on PATH.
+        base = Path(os.environ.get("LOOMD_HOME") or Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+                    / "loomd")
+        try:
+            pinned = (base / PINNED_PYTHON).read_text().splitlines()[0].strip()
+        except (OSError, IndexError):
+            pinned = ""
+        exe = pinned if pinned and os.access(pinned, os.X_OK) else shutil.which("python3")
+        if exe is None:
+            return f"no interpreter: {base / PINNED_PYTHON} names none and python3 is not on PATH"
+        command = shlex.quote(exe) + command.split(PREAMBLE, 1)[1]
     try:
         words = shlex.split(command)
     except ValueError:

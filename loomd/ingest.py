@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 AGENTS = ("claude", "codex")
 LATEST_TS = 32503680000.0  # 3000-01-01: later (or NaN, or infinite) times are input errors
 # Events that carry the text worth remembering, and where it sits in the payload.
-TEXT_FIELDS = ("prompt", "last_assistant_message", "message", "custom_instructions", "last-assistant-message")
+TEXT_FIELDS = ("prompt", "last_assistant_message", "message", "custom_instructions", "last-assistant-message",
+               "compact_summary")
 
 
 @dataclass

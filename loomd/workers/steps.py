@@ -160,6 +160,8 @@ def to_steps(events: Sequence[SourceEvent]) -> list[Step]:
             text = str(p.get("last_assistant_message") or p.get("last-assistant-message") or "")
         elif kind == "compact_summary":
             role, text = "compact", str(p.get("text") or "")
+        elif kind == "PostCompact":  # the hook form of the same summary (Claude Code 2.1)
+            role, text = "compact", str(p.get("compact_summary") or "")
         elif kind == "summary":
             role, text = "summary", str(p.get("text") or "")
         elif kind == "PreCompact":
