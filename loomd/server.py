@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -92,6 +93,11 @@ class Server:
                 log.warning("refused a connection from uid %d: only uid %d may use this daemon", uid, os.getuid())
                 writer.write(protocol.encode_frame(protocol.error_reply(
                     None, "forbidden", "this daemon serves only its own user")))
+                await writer.drain()
+                # Read (and drop) what the peer already sent before closing: closing with unread data resets the
+                # connection, and the peer would see a broken pipe instead of the refusal. Nothing is parsed.
+                with contextlib.suppress(TimeoutError, ConnectionError):
+                    await asyncio.wait_for(reader.read(1 << 16), 0.2)
                 return
             await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
