@@ -287,3 +287,23 @@ async def test_restart_reads_the_index_and_replaces_vectors_of_another_model(hom
 
     status = await run(second)
     assert status["vectors"] == 2 and status["embedded"] == 1  # one read back from disk, one embedded afresh
+
+
+async def test_filters_hold_when_other_projects_crowd_the_fast_paths(client: AsyncClient) -> None:
+    """Each signal first ranks without the filters and checks the best few: when other projects (or archived
+    memories) take all of those, it must still return the right ones, not fewer."""
+    await store_all(client, [f"postgres postgres replication lag on loomd/db.py shard {i}" for i in range(30)],
+                    project="other")
+    mine = await store_all(client, ["postgres vacuum settings in loomd/db.py", "postgres upgrade plan",
+                                    "postgres backups run nightly"])
+    await caught_up(client)
+    tight = {"candidates": 2, "prefilter": 4}
+    for mode in ("keyword", "semantic"):
+        found = await search(client, "postgres loomd/db.py", mode=mode, tuning=tight, limit=2)
+        assert len(found) == 2 and set(ids_of(found)) <= set(mine), mode
+    graph = await search(client, "postgres loomd/db.py", weights={"fts": 0, "vec": 0}, tuning=tight, limit=2)
+    assert ids_of(graph) == [mine[0]]  # the only memory of this project naming loomd/db.py
+    await client.call("forget", id=mine[:2])
+    for mode in ("keyword", "semantic"):
+        found = await search(client, "postgres", mode=mode, tuning=tight, limit=2)
+        assert ids_of(found) == [mine[2]], mode

@@ -28,7 +28,7 @@ from .steps import SourceEvent
 
 log = logging.getLogger(__name__)
 
-CHUNK_EVENTS = 500
+CHUNK_EVENTS = 100  # per transaction: the write lock is shared with ingest
 CONTEXT_EVENTS = 200
 EVENT_COLUMNS = "id, session_id, kind, ts, agent, project, tool_name, tool_use_id, payload"
 

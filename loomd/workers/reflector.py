@@ -17,6 +17,7 @@ The watermark `reflector:<project>` (the last observation id reflected) moves in
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -53,7 +54,8 @@ SAME_COSINE = 0.88
 _LABEL = re.compile(r"^(?:[A-Z][\w ()]{0,30}|Committed [0-9a-f]{7}):\s+")
 CONTRADICT_JACCARD = 0.5
 HANDOFF_TTL_S = 30 * 86400
-MAX_OBSERVATIONS = 1000
+# Observations per transaction: the write lock is shared with ingest, so each hold must stay short.
+MAX_OBSERVATIONS = 100
 REPLACES = re.compile(
     r"\b(instead of|rather than|switch(?:ed|ing)? (?:from|to|back)|replac(?:e|ed|es|ing)|no longer|"
     r"migrat(?:e|ed|ing) (?:to|from|off)|now use|moved? (?:to|from|off)|drop(?:ped|ping)?|in favou?r of|"
@@ -208,8 +210,13 @@ class Reflector:
             projects = await self.due_projects(ctx, req.keys)
         for project in projects:
             wrote = 0
-            async with ctx.write(req.dry_run) as db:
-                wrote = await self.reflect(ctx, db, project, report, req.dry_run)
+            while True:
+                async with ctx.write(req.dry_run) as db:
+                    changed, seen = await self.reflect(ctx, db, project, report, req.dry_run)
+                wrote += changed
+                if req.dry_run or seen < MAX_OBSERVATIONS:
+                    break
+                await asyncio.sleep(0)  # let queued ingest commits through between chunks
             report.note("projects", project)
             if wrote and not req.dry_run:
                 ctx.wake("digest", project)
@@ -237,13 +244,13 @@ class Reflector:
             return list(await cur.fetchall())
 
     async def reflect(self, ctx: WorkerContext, db: aiosqlite.Connection, project: str, report: RunReport,
-                      dry_run: bool) -> int:
-        """Reflect one project's new observations; how many memories were written or merged into."""
+                      dry_run: bool) -> tuple[int, int]:
+        """Reflect one chunk of a project's new observations: (memories written or merged into, observations read)."""
         watermark = await get_int_checkpoint(db, f"reflector:{project}")
         fresh = await self._load(db, "SELECT * FROM memories WHERE project = ? AND kind = 'observation' AND id > ?"
                                      " ORDER BY id LIMIT ?", (project, watermark, MAX_OBSERVATIONS))
         if not fresh:
-            return 0
+            return 0, 0
         marks = ",".join("?" * len(REFLECTION_KINDS))
         durable = await self._load(db, f"SELECT * FROM memories WHERE project = ? AND kind IN ({marks}) AND"
                                        " archived_at IS NULL AND superseded_by IS NULL", (project, *REFLECTION_KINDS))
@@ -255,6 +262,14 @@ class Reflector:
         for row in durable:
             pool.add(Mem.from_row(row, vectors.get(row["id"])))
         peers = [Mem.from_row(r) for r in company]
+        # Keys computed once per chunk, not once per observation: this runs while ingest waits for the lock.
+        by_command: dict[str, list[Mem]] = {}
+        by_error: dict[str, list[Mem]] = {}
+        for p in peers:
+            if p.type == "procedure":
+                by_command.setdefault(command_key(p), []).append(p)
+            elif p.type == "error":
+                by_error.setdefault(_error_key(p.text), []).append(p)
         new_ids: list[int] = []
         changed = 0
         for row in fresh:
@@ -263,13 +278,11 @@ class Reflector:
                 continue
             kind, members = target_kind(obs), [obs]
             if kind is None and obs.type == "procedure":
-                members = [p for p in peers if p.type == "procedure" and command_key(p) == command_key(obs)]
-                members = members or [obs]
+                members = by_command.get(command_key(obs)) or [obs]
                 runs = sum(int(m.meta.get("runs", 1)) + m.hits for m in members)
                 kind = "procedure" if runs >= 2 else None
             elif kind is None and obs.type == "error":
-                key = _error_key(obs.text)
-                members = [p for p in peers if p.type == "error" and _error_key(p.text) == key] or [obs]
+                members = by_error.get(_error_key(obs.text)) or [obs]
                 kind = "insight" if len({m.session_id for m in members}) >= 2 else None
             if kind is None:
                 continue
@@ -282,7 +295,7 @@ class Reflector:
         await set_checkpoint(db, f"reflector:{project}", str(fresh[-1]["id"]))
         await progress(db, report, len(fresh), len(new_ids))
         report.items_in += len(fresh)
-        return changed
+        return changed, len(fresh)
 
     async def promote(self, db: aiosqlite.Connection, project: str, kind: str, obs: Mem, members: list[Mem],
                       pool: Pool, report: RunReport) -> tuple[int | None, bool]:

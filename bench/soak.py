@@ -1,0 +1,348 @@
+"""Soak: a mixed load on a real daemon for a given time; throughput, latencies, errors, memory and descriptors.
+
+Agents (hook events as the shim sends them: a fresh connection per event, the `hook` op, context events asking
+for their block), a searcher (`search`), a planner (`context` start and prompt), a writer (`store`) and the
+workers (`workers_run`, when the daemon has that op) run together against one `python -m loomd serve` on a
+private LOOMD_HOME (or `--socket` of a running daemon). The daemon's RSS, open descriptors and threads are sampled
+every second. Errors must be 0 and RSS flat after warm-up. Prints one JSON object on stdout.
+
+    python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25] [--socket PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from loomd import protocol  # noqa: E402
+from loomd.client import AsyncClient, Client, RemoteError  # noqa: E402
+
+WORDS = ("parser", "fixture", "migration", "flaky", "timeout", "retry", "cache", "schema", "index", "worker",
+         "socket", "deadline", "release", "tokenizer", "pytest", "docker", "lint", "types", "async", "spool")
+COMMANDS = ("pytest -q tests/test_{w}.py", "ruff check loomd/{w}.py", "git diff --stat", "make {w}",
+            "python -m loomd.{w} --help", "grep -rn {w} loomd/")
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.latencies: dict[str, list[float]] = defaultdict(list)
+        self.errors: Counter[str] = Counter()
+        self.busy: Counter[str] = Counter()
+        self.over_deadline: Counter[str] = Counter()
+        self.first_errors: list[str] = []
+
+    def ok(self, op: str, seconds: float, deadline_s: float | None = None) -> None:
+        self.latencies[op].append(seconds)
+        if deadline_s is not None and seconds > deadline_s:
+            self.over_deadline[op] += 1
+
+    def fail(self, op: str, exc: BaseException) -> None:
+        code = exc.code if isinstance(exc, RemoteError) else type(exc).__name__
+        if code == "busy":
+            self.busy[op] += 1
+            return
+        self.errors[f"{op}:{code}"] += 1
+        if len(self.first_errors) < 10:
+            self.first_errors.append(f"{op}: {code}: {str(exc)[:200]}")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def proc_sample(pid: int) -> dict[str, float]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "Threads"):
+            fields[key] = int(value.split()[0])
+    return {"rss_mb": round(fields["VmRSS"] / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": fields["Threads"]}
+
+
+def cpu_seconds(pid: int) -> float:
+    parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------- load generators
+
+
+async def hook_once(sock: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """One hook event the way the shim sends it: a fresh connection, one frame each way, then close."""
+    reader, writer = await asyncio.open_unix_connection(str(sock))
+    try:
+        writer.write(protocol.encode_frame({"v": 1, "id": 1, "op": "hook", "args": args}))
+        await writer.drain()
+        (n,) = protocol.HEADER.unpack(await reader.readexactly(4))
+        reply = protocol.decode_body(await reader.readexactly(n))
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    if not reply.get("ok"):
+        error = reply.get("error") or {}
+        raise RemoteError(str(error.get("code")), str(error.get("message")))
+    return reply["result"]
+
+
+def session_events(rng: random.Random, sid: str, cwd: str) -> list[tuple[str, dict[str, Any]]]:
+    """One agent session: start, prompts, tool calls (some failing, some fixed), stops, end."""
+    base = {"session_id": sid, "cwd": cwd, "transcript_path": f"{cwd}/transcripts/{sid}.jsonl"}
+    out: list[tuple[str, dict[str, Any]]] = [("SessionStart", {**base, "hook_event_name": "SessionStart",
+                                                               "source": "startup"})]
+    for turn in range(rng.randint(3, 8)):
+        w = rng.choice(WORDS)
+        out.append(("UserPromptSubmit", {**base, "hook_event_name": "UserPromptSubmit",
+                                         "prompt": f"turn {turn}: fix the {w} problem and keep the {rng.choice(WORDS)}"
+                                                   f" behaviour; we always use uv, never pip"}))
+        for call in range(rng.randint(1, 5)):
+            cmd = rng.choice(COMMANDS).format(w=w)
+            tid = f"{sid}-{turn}-{call}"
+            failed = rng.random() < 0.25
+            stdout = ("E   AssertionError: expected 3 got 4\n" * rng.randint(1, 40)) if failed else \
+                ("ok " * rng.randint(10, 700))
+            out.append(("PreToolUse", {**base, "hook_event_name": "PreToolUse", "tool_name": "Bash",
+                                       "tool_use_id": tid, "tool_input": {"command": cmd}}))
+            out.append(("PostToolUse", {**base, "hook_event_name": "PostToolUse", "tool_name": "Bash",
+                                        "tool_use_id": tid, "tool_input": {"command": cmd},
+                                        "tool_response": {"stdout": stdout, "stderr": "", "exit_code": int(failed)}}))
+        out.append(("Stop", {**base, "hook_event_name": "Stop",
+                             "last_assistant_message": f"Done: the {w} fix is in; tests pass."}))
+    out.append(("SessionEnd", {**base, "hook_event_name": "SessionEnd", "reason": "exit"}))
+    return out
+
+
+async def agent(n: int, sock: Path, cwd: str, rate: float, stop: asyncio.Event, stats: Stats) -> None:
+    rng = random.Random(n)
+    session = 0
+    while not stop.is_set():
+        session += 1
+        for event, payload in session_events(rng, f"soak-{n}-{session}-{os.getpid()}", cwd):
+            if stop.is_set():
+                return
+            context = event in ("SessionStart", "UserPromptSubmit")
+            args = {"agent": "claude", "event": event, "raw": json.dumps(payload).encode(),
+                    "eid": f"{time.time_ns():016x}-{n:08x}-{rng.getrandbits(32):08x}", "context": context,
+                    "deadline_ms": 150 if context else 1000}
+            t0 = time.perf_counter()
+            try:
+                await hook_once(sock, args)
+            except (RemoteError, OSError, asyncio.IncompleteReadError) as exc:
+                stats.fail(f"hook:{event}" if context else "hook", exc)
+            else:
+                stats.ok(f"hook:{event}" if context else "hook", time.perf_counter() - t0,
+                         0.15 if context else 1.0)
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def persistent(name: str, sock: Path, stop: asyncio.Event, stats: Stats, pause: float,
+                     make: Any) -> None:
+    """One long-lived connection (CLI, MCP server) calling `make()` -> (op, args) in a loop."""
+    async with AsyncClient(sock) as client:
+        while not stop.is_set():
+            op, args = make()
+            t0 = time.perf_counter()
+            try:
+                await client.call(op, args)
+            except (RemoteError, OSError) as exc:
+                stats.fail(op, exc)
+            else:
+                stats.ok(op, time.perf_counter() - t0)
+            await asyncio.sleep(pause)
+
+
+async def sampler(pid: int | None, sock: Path, stop: asyncio.Event, every: float, t0: float,
+                  series: list[dict[str, Any]]) -> None:
+    async with AsyncClient(sock) as client:
+        while not stop.is_set():
+            row: dict[str, Any] = {"t": round(time.monotonic() - t0, 1)}
+            if pid is not None:
+                row.update(proc_sample(pid))
+            status = await client.call("status")
+            row.update(events=status["counts"]["events"], memories=status["counts"]["memories"],
+                       queue=status["queue_depth"], inflight=status["inflight"], spool=status["spool_backlog"])
+            series.append(row)
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+            except TimeoutError:
+                pass
+
+
+async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str) -> dict[str, Any]:
+    stats = Stats()
+    stop = asyncio.Event()
+    rng = random.Random(7)
+    with Client(sock) as c:
+        ops = set()
+        try:
+            c.call("no_such_op_soak_probe")
+        except RemoteError as exc:
+            ops = {o.strip() for o in str(exc).split("known:", 1)[-1].split(",")}
+        for w in WORDS:  # something to find from the first second
+            c.call("store", text=f"the {w} module: run `make {w}` before committing", kind="procedure", cwd=cwd)
+    workers = [w for w in ("observer", "reflector", "dropper", "digest", "gc") if "workers_run" in ops]
+
+    def search() -> tuple[str, dict[str, Any]]:
+        return "search", {"query": " ".join(rng.sample(WORDS, 2)), "cwd": cwd, "limit": 10}
+
+    def context() -> tuple[str, dict[str, Any]]:
+        if rng.random() < 0.5:
+            return "context", {"kind": "start", "session_id": f"ctx-{rng.randint(0, 50)}", "cwd": cwd}
+        return "context", {"kind": "prompt", "session_id": f"ctx-{rng.randint(0, 50)}", "cwd": cwd,
+                           "prompt": f"how do we handle the {rng.choice(WORDS)} {rng.choice(WORDS)}?"}
+
+    def store() -> tuple[str, dict[str, Any]]:
+        w = rng.choice(WORDS)
+        return "store", {"text": f"decision {rng.getrandbits(24)}: the {w} uses {rng.choice(WORDS)}, not "
+                                 f"{rng.choice(WORDS)}", "kind": "decision", "cwd": cwd}
+
+    def worker() -> tuple[str, dict[str, Any]]:
+        return "workers_run", {"name": rng.choice(workers)}
+
+    series: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    cpu0 = cpu_seconds(pid) if pid else None
+    tasks = [asyncio.create_task(agent(n, sock, cwd, opts.rate, stop, stats)) for n in range(opts.agents)]
+    tasks += [asyncio.create_task(persistent("search", sock, stop, stats, 0.02, search)),
+              asyncio.create_task(persistent("context", sock, stop, stats, 0.05, context)),
+              asyncio.create_task(persistent("store", sock, stop, stats, 0.5, store)),
+              asyncio.create_task(sampler(pid, sock, stop, 1.0, t0, series))]
+    if workers:
+        tasks.append(asyncio.create_task(persistent("workers", sock, stop, stats, 3.0, worker)))
+    await asyncio.sleep(opts.seconds)
+    stop.set()
+    await asyncio.gather(*tasks)
+    elapsed = time.monotonic() - t0
+    per_op = {}
+    for op, values in sorted(stats.latencies.items()):
+        per_op[op] = {"count": len(values), "per_s": round(len(values) / elapsed, 1),
+                      "p50_ms": round(pct(values, 0.5) * 1000, 2), "p99_ms": round(pct(values, 0.99) * 1000, 2),
+                      "max_ms": round(max(values) * 1000, 2)}
+    out: dict[str, Any] = {
+        "elapsed_s": round(elapsed, 1), "ops": per_op,
+        "throughput_per_s": round(sum(len(v) for v in stats.latencies.values()) / elapsed, 1),
+        "errors": sum(stats.errors.values()), "errors_by_op": dict(stats.errors), "first_errors": stats.first_errors,
+        "busy": sum(stats.busy.values()), "busy_by_op": dict(stats.busy),
+        "over_shim_deadline": dict(stats.over_deadline), "workers": workers or "no workers_run op",
+    }
+    if pid is not None and series:
+        warm = max(3.0, opts.seconds * 0.1)
+        steady = [r for r in series if r["t"] >= warm] or series
+        half = [r for r in steady if r["t"] >= steady[0]["t"] + (steady[-1]["t"] - steady[0]["t"]) / 2] or steady
+        out["rss_mb"] = {"start": series[0]["rss_mb"], "after_warmup": steady[0]["rss_mb"], "end": series[-1]["rss_mb"],
+                         "max": max(r["rss_mb"] for r in series),
+                         "growth_after_warmup": round(series[-1]["rss_mb"] - steady[0]["rss_mb"], 1),
+                         "slope_mb_per_min_second_half": round(slope(half, "rss_mb") * 60, 2)}
+        out["fds"] = {"start": series[0]["fds"], "after_warmup": steady[0]["fds"], "end": series[-1]["fds"],
+                      "max": max(r["fds"] for r in series)}
+        out["threads"] = {"start": series[0]["threads"], "end": series[-1]["threads"],
+                          "max": max(r["threads"] for r in series)}
+        assert cpu0 is not None
+        out["daemon_cpu_s"] = round(cpu_seconds(pid) - cpu0, 1)
+    out["series"] = series
+    return out
+
+
+def slope(rows: list[dict[str, Any]], key: str) -> float:
+    """Least-squares slope of `key` over `t` (units per second)."""
+    if len(rows) < 2:
+        return 0.0
+    ts = [r["t"] for r in rows]
+    ys = [r[key] for r in rows]
+    mt, my = sum(ts) / len(ts), sum(ys) / len(ys)
+    var = sum((t - mt) ** 2 for t in ts)
+    return sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / var if var else 0.0
+
+
+def start_daemon(home: Path, embedder: str) -> tuple[subprocess.Popen[bytes], float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") and k != "CLAUDECODE"}
+    env.update(LOOMD_HOME=str(home), LOOMD_EMBEDDER=embedder, LOOMD_CODEX_HOME=str(home / "codex"))
+    t0 = time.monotonic()
+    with open(home / "daemon.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "loomd", "serve"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, cwd=REPO)
+    while time.monotonic() - t0 < 60:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited {proc.returncode}: {(home / 'daemon.log').read_text()[-2000:]}")
+        try:
+            with Client(home / "loomd.sock", timeout=2) as c:
+                c.call("ping")
+            return proc, time.monotonic() - t0
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.02)
+    proc.kill()
+    raise TimeoutError("the daemon did not come up")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--quick", action="store_true", help="30 seconds")
+    parser.add_argument("--agents", type=int, default=4, help="concurrent agents sending hook events")
+    parser.add_argument("--rate", type=float, default=25.0, help="hook events per second per agent")
+    parser.add_argument("--socket", type=Path, default=None, help="soak a running daemon instead of a fresh one")
+    parser.add_argument("--embedder", default="local", help="LOOMD_EMBEDDER for the fresh daemon")
+    parser.add_argument("--no-series", action="store_true", help="leave the per-second samples out of the JSON")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.seconds = 30.0
+    report: dict[str, Any] = {
+        "bench": "soak",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                    "loadavg_start": [round(x, 2) for x in os.getloadavg()]},
+        "params": {"seconds": opts.seconds, "agents": opts.agents, "rate_per_agent": opts.rate,
+                   "embedder": opts.embedder, "socket": str(opts.socket) if opts.socket else "fresh daemon"},
+    }
+    root = Path(tempfile.mkdtemp(prefix="lsk", dir="/tmp"))
+    proc = None
+    try:
+        if opts.socket is None:
+            home = root / "h"
+            home.mkdir(mode=0o700)
+            proc, ready = start_daemon(home, opts.embedder)
+            report["daemon_ready_s"] = round(ready, 3)
+            sock, pid = home / "loomd.sock", proc.pid
+        else:
+            sock, pid = opts.socket, None
+        (root / "work").mkdir()
+        with Client(sock) as c:
+            report["versions"] = c.call("status")["versions"]
+        report.update(asyncio.run(soak(sock, pid, opts, str(root / "work"))))
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            report["daemon_exit"] = proc.wait(60)
+            log = (home / "daemon.log").read_text()
+            notable = Counter(line.split(" ", 2)[-1][:160] for line in log.splitlines()
+                              if " WARNING " in line or " ERROR " in line)
+            report["daemon_log"] = {"errors": log.count(" ERROR "), "warnings": log.count(" WARNING "),
+                                    "tracebacks": log.count("Traceback"), "top": notable.most_common(5)}
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    if opts.no_series:
+        report.pop("series", None)
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
