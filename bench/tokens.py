@@ -151,6 +151,15 @@ def main() -> None:
             with Client(home / "loomd.sock", timeout=60) as client:
                 replay = Replay(client)
                 rows = [replay.session(path, items) for path, items in found]
+                # What the next session of each project would be handed at its start.
+                for row, (path, items) in zip(rows, found, strict=True):
+                    cwd = next((i.cwd for i in items if i.cwd), "/replay/" + path.parent.name)
+                    block = replay.hook("SessionStart", {"session_id": f"next-{path.stem}", "cwd": cwd,
+                                                         "transcript_path": "/nonexistent.jsonl",
+                                                         "hook_event_name": "SessionStart", "source": "startup"},
+                                        True)
+                    row["next_session_start_tokens"] = tokens(block)
+                    row["next_session_start"] = block
                 stats = client.call("stats")
         finally:
             proc.terminate()
@@ -159,6 +168,7 @@ def main() -> None:
         for row in rows:
             row.pop("start_block")
             row.pop("recall_examples")
+            row.pop("next_session_start")
     totals = {k: sum(r[k] for r in rows) for k in ("own_tokens", "start_tokens", "prompt_tokens", "compact_tokens",
                                                      "injected_tokens", "duplicates", "prompts",
                                                      "prompts_with_recall")}

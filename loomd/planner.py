@@ -115,7 +115,9 @@ class Planner:
         seen = await self._injected(session_id)
         hits = await self.search(query=prompt[:2000], limit=12, project=project, explain=True)
         lines = [Line(h["id"], h["kind"], h["created"], h["text"]) for h in hits
-                 if h["id"] not in seen and relevant(h, cfg.prompt_min_score)]
+                 # This session's own memories are still in the agent's context (a capture of this very
+                 # prompt among them); after compaction the compact block restores them.
+                 if h["id"] not in seen and h.get("session_id") != session_id and relevant(h, cfg.prompt_min_score)]
         text, ids = render_recall_block(lines, cfg.prompt_block_chars, cfg.prompt_block_lines)
         await self._mark_injected(session_id, ids)
         return text, ids

@@ -138,3 +138,13 @@ async def test_context_op_for_scripts(client: AsyncClient) -> None:
     assert "[P]" in preview["text"] and preview["ids"]
     with pytest.raises(RemoteError):
         await client.call("context", kind="prompt", cwd=CWD)
+
+
+async def test_recall_never_echoes_the_sessions_own_captures(client: AsyncClient) -> None:
+    said = "From now on always run the database migrations with --dry-run first."
+    block = await hook(client, "UserPromptSubmit", session="echo", prompt=said)
+    assert block == ""  # the capture of this very prompt exists, but the agent has just read it
+    stats = await client.call("stats")
+    assert stats["memories"]["constraint"]["active"] == 1
+    other = await hook(client, "UserPromptSubmit", session="echo2", prompt="how do I run the database migrations?")
+    assert "--dry-run" in other  # another session does get it
