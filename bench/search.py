@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import platform
@@ -43,8 +44,7 @@ from locomo import DEFAULT_DATA, Daemon, load  # noqa: E402
 
 from loomd.derived import write_derived  # noqa: E402
 from loomd.memories import insert_memory  # noqa: E402
-from loomd.migrations import MIGRATIONS  # noqa: E402
-from loomd.store import Store  # noqa: E402
+from loomd.store import Store, connect_sync, migrate  # noqa: E402
 from loomd.transcript import parse_file  # noqa: E402
 
 TRANSCRIPTS = REPO.parent / "shared" / "data" / "transcripts"
@@ -133,9 +133,18 @@ def ingest_probe(daemon: Daemon, n: int, tag: str) -> list[float]:
     return out
 
 
+def schema_digest() -> str:
+    """Of the schema the migrations build: a cached database is only reused by the code that built it."""
+    conn = connect_sync(":memory:")
+    migrate(conn)
+    rows = conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type, name").fetchall()
+    conn.close()
+    return hashlib.sha256(repr([tuple(r) for r in rows]).encode()).hexdigest()[:10]
+
+
 def prepare(level: int, texts: list[str], cache: Path, fresh: bool) -> tuple[Path, dict[str, Any]]:
     """A database of `level` memories with every vector back-filled (from the cache when it has one)."""
-    key = f"v{CORPUS_VERSION}-m{len(MIGRATIONS)}-{level}.db"
+    key = f"v{CORPUS_VERSION}-{schema_digest()}-{level}.db"
     cached = cache / key
     info: dict[str, Any] = {"cached": cached.exists() and not fresh}
     if info["cached"]:

@@ -60,6 +60,7 @@ class Plan:
     rows: list[tuple[int, str, bytes, bytes, bytes, bytes]] = field(default_factory=list)
     remixed: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # neighbours: id -> (mixed, bits)
     reembedded: list[int] = field(default_factory=list)
+    old_pairs: list[tuple[int, int]] = field(default_factory=list)  # of the re-embedded memories
     pairs: dict[tuple[int, int], float] = field(default_factory=dict)
     recurrence: set[int] = field(default_factory=set)
     index_rows: list[IndexRow] = field(default_factory=list)
@@ -92,17 +93,18 @@ def _vectors(conn: sqlite3.Connection, model: str, ids: Sequence[int]) -> dict[i
     if not ids:
         return {}
     return dict(conn.execute(
-        "SELECT memory_id, vec FROM memory_vectors WHERE model = ? AND memory_id IN (SELECT value FROM json_each(?))",
+        # `+model`: without it SQLite walks the (model, content_hash) index over every vector of the model.
+        "SELECT memory_id, vec FROM memory_vectors WHERE +model = ? AND memory_id IN (SELECT value FROM json_each(?))",
         (model, json.dumps(list(ids)))))
 
 
 def _window(conn: sqlite3.Connection, m: Stale, side: int) -> tuple[list[int], list[int]]:
     earlier = [r[0] for r in conn.execute(
-        "SELECT id FROM memories WHERE session_id = ? AND (created < ? OR (created = ? AND id < ?))"
-        " ORDER BY created DESC, id DESC LIMIT ?", (m.session, m.created, m.created, m.id, side))]
+        "SELECT id FROM memories WHERE session_id = ? AND (created, id) < (?, ?)"
+        " ORDER BY created DESC, id DESC LIMIT ?", (m.session, m.created, m.id, side))]
     later = [r[0] for r in conn.execute(
-        "SELECT id FROM memories WHERE session_id = ? AND (created > ? OR (created = ? AND id > ?))"
-        " ORDER BY created, id LIMIT ?", (m.session, m.created, m.created, m.id, side))]
+        "SELECT id FROM memories WHERE session_id = ? AND (created, id) > (?, ?)"
+        " ORDER BY created, id LIMIT ?", (m.session, m.created, m.id, side))]
     return earlier[::-1], later
 
 
@@ -164,8 +166,9 @@ def _pair(
     plan.reembedded = [m.id for m in batch if m.had_vector]
     plan.recurrence.update(m.id for m in batch)
     if plan.reembedded:
-        plan.recurrence.update(r[0] for r in conn.execute(
-            "SELECT b FROM memory_near WHERE a IN (SELECT value FROM json_each(?))", (json.dumps(plan.reembedded),)))
+        plan.old_pairs = [(r[0], r[1]) for r in conn.execute(
+            "SELECT a, b FROM memory_near WHERE a IN (SELECT value FROM json_each(?))", (json.dumps(plan.reembedded),))]
+        plan.recurrence.update(b for _, b in plan.old_pairs)
     candidates: dict[int, list[int]] = {}
     for m in batch:
         found = []
@@ -196,19 +199,21 @@ async def apply_plan(db: aiosqlite.Connection, plan: Plan) -> None:
         " vec = excluded.vec, mixed = excluded.mixed, bits = excluded.bits, raw_bits = excluded.raw_bits",
         [(i, plan.model, h, raw, mix, bits, raw_bits) for i, h, raw, mix, bits, raw_bits in plan.rows])
     await db.executemany(
-        "UPDATE memory_vectors SET mixed = ?, bits = ? WHERE memory_id = ? AND model = ?",
+        "UPDATE memory_vectors SET mixed = ?, bits = ? WHERE memory_id = ? AND +model = ?",
         [(mix, bits, i, plan.model) for i, (mix, bits) in plan.remixed.items()])
-    if plan.reembedded:
-        ids = json.dumps(plan.reembedded)
-        await db.execute("DELETE FROM memory_near WHERE a IN (SELECT value FROM json_each(?))"
-                         " OR b IN (SELECT value FROM json_each(?))", (ids, ids))
+    # Pairs are stored both ways round: a re-embedded memory's old pairs are (it, partner) and (partner, it).
+    await db.executemany("DELETE FROM memory_near WHERE a = ? AND b = ?",
+                         [pair for a, b in plan.old_pairs for pair in ((a, b), (b, a))])
     await db.executemany("INSERT OR REPLACE INTO memory_near (a, b, cosine) VALUES (?, ?, ?)",
                          [(a, b, c) for (a, b), c in plan.pairs.items()])
-    if plan.recurrence:
-        await db.execute(
-            "UPDATE memory_vectors SET recurrence = (SELECT count(DISTINCT coalesce(m.session_id, '#' || m.id))"
-            " FROM memory_near p JOIN memories m ON m.id = p.b WHERE p.a = memory_vectors.memory_id)"
-            " WHERE memory_id IN (SELECT value FROM json_each(?))", (json.dumps(sorted(plan.recurrence)),))
+
+
+async def update_recurrence(db: aiosqlite.Connection, ids: Sequence[int]) -> None:
+    """Recount the distinct other sessions among these memories' pairs (after `apply_plan` committed)."""
+    await db.execute(
+        "UPDATE memory_vectors SET recurrence = (SELECT count(DISTINCT coalesce(m.session_id, '#' || m.id))"
+        " FROM memory_near p JOIN memories m ON m.id = p.b WHERE p.a = memory_vectors.memory_id)"
+        " WHERE memory_id IN (SELECT value FROM json_each(?))", (json.dumps(list(ids)),))
 
 
 def load_index(conn: sqlite3.Connection, model: str, dim: int) -> BitIndex:

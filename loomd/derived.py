@@ -29,13 +29,13 @@ async def session_window(
 ) -> tuple[list[Any], list[Any]]:
     """Up to `before` memories preceding and `after` following one memory in its session, nearest first."""
     async with db.execute(
-        "SELECT id, text FROM memories WHERE session_id = ? AND (created < ? OR (created = ? AND id < ?))"
-        " ORDER BY created DESC, id DESC LIMIT ?", (session_id, created, created, memory_id, before),
+        "SELECT id, text FROM memories WHERE session_id = ? AND (created, id) < (?, ?)"
+        " ORDER BY created DESC, id DESC LIMIT ?", (session_id, created, memory_id, before),
     ) as cur:
         earlier = list(await cur.fetchall())
     async with db.execute(
-        "SELECT id, text FROM memories WHERE session_id = ? AND (created > ? OR (created = ? AND id > ?))"
-        " ORDER BY created, id LIMIT ?", (session_id, created, created, memory_id, after),
+        "SELECT id, text FROM memories WHERE session_id = ? AND (created, id) > (?, ?)"
+        " ORDER BY created, id LIMIT ?", (session_id, created, memory_id, after),
     ) as cur:
         later = list(await cur.fetchall())
     return earlier, later

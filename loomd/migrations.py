@@ -231,3 +231,14 @@ def m003_worker_jobs(db: sqlite3.Connection) -> None:
         CREATE INDEX jobs_outcome ON jobs(outcome) WHERE outcome = 'running';
         """
     )
+
+
+@migration
+def m004_search_indexes(db: sqlite3.Connection) -> None:
+    """Time order for timelines and recency; the FTS vocabulary (m002 gained it after some databases ran it)."""
+    run_script(db,
+        """
+        CREATE INDEX IF NOT EXISTS memories_created ON memories(created, id);
+        CREATE VIRTUAL TABLE IF NOT EXISTS memories_fts_vocab USING fts5vocab(memories_fts, 'row');
+        """
+    )

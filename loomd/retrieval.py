@@ -45,9 +45,9 @@ MODE_WEIGHTS: dict[str, dict[str, float]] = {
     "keyword": {"fts": 1.0}, "semantic": {"vec": 1.0}, "hybrid": dict(DEFAULT_WEIGHTS),
 }
 # An entity named in more memories than this is read only this far (newest first); its idf stays exact.
-GRAPH_POSTINGS = 5000
+GRAPH_POSTINGS = 1000
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
-FTS_BUDGET = 12_000
+FTS_BUDGET = 10_000
 # Knobs a benchmark (or a curious user) may turn per search: name -> (type, default, lowest, highest).
 TUNING: dict[str, tuple[type, Any, float, float]] = {
     "ctx_weight": (float, CONTEXT_WEIGHT, 0.0, 10.0),  # BM25 weight of the neighbours' column; 0 = plain text
@@ -155,6 +155,9 @@ class Stemmer:
 
 
 _stem: Stemmer | None = None
+# Memories per index term, for pruning only (an estimate may be minutes old): (store, term) -> (when, count).
+_DF: dict[tuple[int, str], tuple[float, int]] = {}
+DF_TTL_S = 300.0
 
 
 async def prune_terms(store: Store, terms: list[str], budget: int) -> list[str]:
@@ -163,14 +166,27 @@ async def prune_terms(store: Store, terms: list[str], budget: int) -> list[str]:
     global _stem
     _stem = _stem or Stemmer()
     tokens = {term: _stem(term) for term in terms}
-    wanted = sorted({t for ts in tokens.values() for t in ts})
-    if not wanted:
-        return terms
-    docs: dict[str, int] = {r[0]: r[1] for r in await store.fetchall(
-        "SELECT term, doc FROM memories_fts_vocab WHERE term IN (SELECT value FROM json_each(?))",
-        [json.dumps(wanted)])}
+    now = time.monotonic()
+    docs: dict[str, int] = {}
+    wanted = []
+    for token in sorted({t for ts in tokens.values() for t in ts}):
+        cached = _DF.get((id(store), token))
+        if cached is not None and now - cached[0] < DF_TTL_S:
+            docs[token] = cached[1]
+        else:
+            wanted.append(token)
+    if wanted:  # fts5vocab counts by walking the term's postings (0.2 ms for a common term at 100k): cache it
+        if len(_DF) > 100_000:
+            _DF.clear()
+        found = {r[0]: r[1] for r in await store.fetchall(
+            "SELECT term, doc FROM memories_fts_vocab WHERE term IN (SELECT value FROM json_each(?))",
+            [json.dumps(wanted)])}
+        for token in wanted:
+            docs[token] = found.get(token, 0)
+            if docs[token]:  # a word no memory has yet may arrive any moment: never cache its absence
+                _DF[(id(store), token)] = (now, docs[token])
     df = {term: min((docs.get(t, 0) for t in ts), default=0) for term, ts in tokens.items()}
-    kept = [t for t in terms if df[t] > 0] or terms[:1]
+    kept = list(terms)
     while len(kept) > 1 and sum(df[t] for t in kept) > budget:
         kept.remove(max(kept, key=lambda t: (df[t], t)))
     return kept
@@ -410,11 +426,11 @@ async def timeline(
     if anchor is not None:
         created, aid = anchor["created"], anchor["id"]
         earlier = await store.fetchall(
-            f"SELECT m.* FROM memories m WHERE {where} AND (m.created < ? OR (m.created = ? AND m.id < ?))"
-            " ORDER BY m.created DESC, m.id DESC LIMIT ?", [*params, created, created, aid, before])
+            f"SELECT m.* FROM memories m WHERE {where} AND (m.created, m.id) < (?, ?)"
+            " ORDER BY m.created DESC, m.id DESC LIMIT ?", [*params, created, aid, before])
         later = await store.fetchall(
-            f"SELECT m.* FROM memories m WHERE {where} AND (m.created > ? OR (m.created = ? AND m.id > ?))"
-            " ORDER BY m.created, m.id LIMIT ?", [*params, created, created, aid, after])
+            f"SELECT m.* FROM memories m WHERE {where} AND (m.created, m.id) > (?, ?)"
+            " ORDER BY m.created, m.id LIMIT ?", [*params, created, aid, after])
         rows = [*reversed(earlier), anchor, *later]
     elif entity is not None:
         name = entity.strip().lower()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backfill import Plan, apply_plan, load_index, plan_batch, scan
+from .backfill import Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
 from .embed import Embedder, NoEmbedder, make_embedder
 from .errors import EmbedderError, StorageError
 from .store import DB_ERRORS, Store, connect_sync
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 # What the back-fill retries after (a locked or full disk included) instead of dying for the daemon's lifetime.
 BACKFILL_RETRY: tuple[type[Exception], ...] = (EmbedderError, StorageError, ValueError, *DB_ERRORS)
+RECOUNT_CHUNK = 64
 # A filtered search that keeps too few prefilter candidates scans the filtered set exactly, up to this many rows.
 EXACT_LIMIT = 50_000
 
@@ -58,7 +59,8 @@ class VectorService:
         self._dirty: set[int] = set()  # committed, to check
         self._written: set[int] = set()  # written in a transaction that may not have committed yet
         self._cursor = 0
-        self._conn: sqlite3.Connection | None = None
+        self._conn: sqlite3.Connection | None = None  # the back-fill thread's
+        self._query_conn: sqlite3.Connection | None = None  # the query thread's
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill")
         self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query")
 
@@ -79,7 +81,12 @@ class VectorService:
         if isinstance(self.embedder, NoEmbedder):
             self.state = "off"
             return
-        self.index = await loop.run_in_executor(self._bulk, self._open_index)
+        try:
+            self.index = await loop.run_in_executor(self._bulk, self._open_index)
+        except BACKFILL_RETRY as exc:
+            self.state, self.error = "failed", f"cannot read the stored vectors: {exc}"
+            log.error("vector search is off: cannot read the stored vectors: %s", exc)
+            return
         self.state = "ready"
         log.info("embedder %s ready, %d vectors indexed", self.embedder.name, len(self.index or ()))
         last_full = time.monotonic()
@@ -113,9 +120,10 @@ class VectorService:
         """Let the worker threads finish what they run (one batch at most), then close the read connection."""
         for pool in (self._query, self._bulk):
             await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        for conn in (self._conn, self._query_conn):
+            if conn is not None:
+                conn.close()
+        self._conn = self._query_conn = None
 
     def wake(self) -> None:
         """Memories were committed: back-fill now."""
@@ -191,6 +199,11 @@ class VectorService:
             return True
         async with self.store.atomic() as db:
             await apply_plan(db, plan)
+        # Recounting recurrence touches every partner's pairs: small transactions, so ingest never waits long.
+        affected = sorted(plan.recurrence)
+        for start in range(0, len(affected), RECOUNT_CHUNK):
+            async with self.store.atomic() as db:
+                await update_recurrence(db, affected[start : start + RECOUNT_CHUNK])
         if self.index is None:
             self.index = BitIndex(plan.model, len(plan.rows[0][2]) // 4)  # the provider's first vectors
         self.index.upsert(plan.index_rows)
@@ -201,15 +214,44 @@ class VectorService:
 
     # --- queries ---------------------------------------------------------------------------------------------
 
-    def _embed_and_rank(
-        self, query: str, filters: Filters, prefilter: int, raw: bool,
-    ) -> tuple[np.ndarray, list[int], int, float]:
+    def _reader(self) -> sqlite3.Connection:
+        """The query thread's own read connection: vector searches never queue behind keyword queries."""
+        if self._query_conn is None:
+            self._query_conn = connect_sync(self.store.path, busy_timeout_ms=self.config.busy_timeout_ms)
+            self._query_conn.execute("PRAGMA query_only = ON")
+        return self._query_conn
+
+    def _knn(
+        self, query: str, k: int, filters: Filters, where: str, params: Sequence[Any], mixed: bool, prefilter: int,
+    ) -> tuple[list[tuple[int, float]], float]:
+        """Embed, rank in the index, then re-rank the best with the stored floats while checking every filter."""
         assert self.embedder is not None and self.index is not None
         started = time.perf_counter()
         vector = np.frombuffer(self.embedder.embed([query])[0], dtype="<f4")
         embed_ms = (time.perf_counter() - started) * 1000
-        ids, _, eligible = self.index.search(vector, filters, prefilter, raw=raw)
-        return vector, ids, eligible, embed_ms
+        ranked, _, eligible = self.index.search(vector, filters, max(prefilter, k), raw=not mixed)
+        column = "mixed" if mixed else "vec"
+        sql = (f"SELECT v.memory_id, v.{column} FROM memory_vectors v JOIN memories m ON m.id = v.memory_id"
+               f" WHERE +v.model = ? AND v.{column} IS NOT NULL AND {where}")  # `+`: see backfill._vectors
+        conn = self._reader()
+        # Mixed: the int8 ranking is close to exact, so twice k is re-ranked; raw: only bits ranked, all of them.
+        step = max(2 * k if mixed else len(ranked), 1)
+        rows: list[Any] = []
+        for start in range(0, len(ranked), step):
+            chunk = ranked[start : start + step]
+            rows += conn.execute(sql + " AND v.memory_id IN (SELECT value FROM json_each(?))",
+                                 [self.index.model, *params, json.dumps(chunk)]).fetchall()
+            if len(rows) >= k:
+                break
+        if len(rows) < k and eligible > len(ranked):
+            # Archived memories took too many of the candidates: search what passes the filters exactly.
+            rows = conn.execute(sql + " LIMIT ?", [self.index.model, *params, EXACT_LIMIT]).fetchall()
+        if not rows:
+            return [], embed_ms
+        cosines = as_matrix([r[1] for r in rows], self.index.dim) @ vector
+        found = np.array([r[0] for r in rows], dtype=np.int64)
+        order = np.lexsort((found, -cosines))[:k]
+        return [(int(found[i]), float(cosines[i])) for i in order], embed_ms
 
     async def knn(
         self, query: str, *, k: int, filters: Filters, where: str, params: Sequence[Any], mixed: bool = True,
@@ -220,35 +262,14 @@ class VectorService:
 
         The index ranks by the filters it knows; then, best first, chunks of its ranking are re-ranked with the
         float vectors from SQLite, which also checks what the index cannot know (archived): exact cosines, and
-        the filters hold even when the index lags a write.
+        the filters hold even when the index lags a write. All of it on the query thread.
         """
         if self.state != "ready" or self.index is None or not len(self.index):
             return None
         started = time.perf_counter()
-        vector, ranked, eligible, embed_ms = await asyncio.get_running_loop().run_in_executor(
-            self._query, self._embed_and_rank, query, filters, max(prefilter, k), not mixed)
-        column = "mixed" if mixed else "vec"
-        sql = (f"SELECT v.memory_id, v.{column} FROM memory_vectors v JOIN memories m ON m.id = v.memory_id"
-               f" WHERE v.model = ? AND v.{column} IS NOT NULL AND {where}")
-        # Mixed: the int8 ranking is close to exact, so twice k is re-ranked; raw: only bits ranked, all of them.
-        step = 2 * k if mixed else len(ranked)
-        rows: list[Any] = []
-        for start in range(0, len(ranked), max(step, 1)):
-            chunk = ranked[start : start + step]
-            rows += await self.store.fetchall(sql + " AND v.memory_id IN (SELECT value FROM json_each(?))",
-                                              [self.index.model, *params, json.dumps(chunk)])
-            if len(rows) >= k:
-                break
-        if len(rows) < k and eligible > len(ranked):
-            # The archived ones took too many of the candidates: search what passes the filters exactly.
-            rows = await self.store.fetchall(sql + " LIMIT ?", [self.index.model, *params, EXACT_LIMIT])
+        found, embed_ms = await asyncio.get_running_loop().run_in_executor(
+            self._query, self._knn, query, k, filters, where, params, mixed, prefilter)
         if timings is not None:
             timings["embed_ms"] = round(embed_ms, 3)
-        if not rows:
-            return []
-        cosines = as_matrix([r[1] for r in rows], self.index.dim) @ vector
-        found = np.array([r[0] for r in rows], dtype=np.int64)
-        order = np.lexsort((found, -cosines))[:k]
-        if timings is not None:
             timings["vec_ms"] = round((time.perf_counter() - started) * 1000, 3)
-        return [(int(found[i]), float(cosines[i])) for i in order]
+        return found

@@ -307,3 +307,26 @@ async def test_filters_hold_when_other_projects_crowd_the_fast_paths(client: Asy
     for mode in ("keyword", "semantic"):
         found = await search(client, "postgres", mode=mode, tuning=tight, limit=2)
         assert ids_of(found) == [mine[2]], mode
+
+
+async def test_recurrence_follows_a_changed_text(client: AsyncClient, daemon: Daemon) -> None:
+    ids = []
+    for session in ("a", "b", "c"):
+        ids += await store_all(client, [f"The websocket reconnect test is flaky on CI again ({session})"],
+                               session_id=session)
+    await caught_up(client)
+
+    async def recurrence() -> list[int]:
+        rows = await daemon.store.fetchall(
+            "SELECT memory_id, recurrence FROM memory_vectors ORDER BY memory_id")
+        return [r[1] for r in rows]
+
+    assert await recurrence() == [2, 2, 2]
+    async with daemon.store.atomic() as db:
+        await db.execute("UPDATE memories SET text = 'Bananas are rich in potassium.', content_hash = 'x'"
+                         " WHERE id = ?", (ids[0],))
+        await daemon.after_memory_write(db, [ids[0]])
+    daemon.memories_changed()
+    await caught_up(client)
+    assert await recurrence() == [0, 1, 1]
+    assert not await daemon.store.fetchall("SELECT 1 FROM memory_near WHERE ? IN (a, b)", (ids[0],))
