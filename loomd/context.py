@@ -156,16 +156,28 @@ def _line(row: Any) -> Line:
 async def start_lines(store: Store, project: str, now: float | None = None) -> tuple[list[Line], dict[str, int]]:
     """Memories for the start block, in priority order, and the project's counts by kind."""
     now = now or time.time()
-    base = ("FROM memories WHERE (project = ? OR scope = 'user') AND archived_at IS NULL AND superseded_by IS NULL"
-            " AND (expires IS NULL OR expires > ?) AND kind != 'observation'")
-    counts = {r[0]: r[1] for r in await store.fetchall(f"SELECT kind, count(*) {base} GROUP BY kind", (project, now))}
+    # `project = ?` (never `OR scope = 'user'`, which defeats every index): user-scope memories live in project
+    # "user" and are read with a second, equally indexed query.
+    projects = (project, "user") if project != "user" else (project,)
+    base = ("FROM memories WHERE project = ? AND archived_at IS NULL AND superseded_by IS NULL"
+            " AND (expires IS NULL OR expires > ?)")
+    counts: dict[str, int] = {}
+    for name in projects:  # the covering (project, kind, archived_at) index answers this without the table
+        for kind, n in await store.fetchall("SELECT kind, count(*) FROM memories WHERE project = ? AND archived_at"
+                                            " IS NULL AND kind != 'observation' GROUP BY kind", (name,)):
+            counts[kind] = counts.get(kind, 0) + n
     lines: list[Line] = []
     for _group, kinds in START_GROUPS:
-        marks = ",".join("?" * len(kinds))
-        rows = await store.fetchall(
-            f"SELECT * {base} AND kind IN ({marks}) ORDER BY importance DESC, updated DESC, id DESC LIMIT 12",
-            (project, now, *kinds))
-        for row in rows:
+        # One query per kind walks the (project, kind, importance, updated) index and stops at 12 rows; a single
+        # `kind IN (...)` query would sort every memory of those kinds (hundreds of ms at 100k memories).
+        rows = []
+        for kind in kinds:
+            for name in projects:
+                rows += await store.fetchall(
+                    f"SELECT * {base} AND kind = ? ORDER BY importance DESC, updated DESC, id DESC LIMIT 12",
+                    (name, now, kind))
+        rows.sort(key=lambda r: (-r["importance"], -r["updated"], -r["id"]))
+        for row in rows[:12]:
             if row["kind"] == "task" and json.loads(row["meta"] or "{}").get("state", "draft") not in OPEN_STATES:
                 continue
             if row["kind"] == "digest":

@@ -242,3 +242,9 @@ def m004_search_indexes(db: sqlite3.Connection) -> None:
         CREATE VIRTUAL TABLE IF NOT EXISTS memories_fts_vocab USING fts5vocab(memories_fts, 'row');
         """
     )
+
+
+@migration
+def m005_start_block_index(db: sqlite3.Connection) -> None:
+    """The start block reads the top memories of each kind: one short index range per kind, even at 100k rows."""
+    run_script(db, "CREATE INDEX IF NOT EXISTS memories_rank ON memories(project, kind, importance, updated);")
