@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import platform
@@ -44,7 +43,7 @@ from locomo import DEFAULT_DATA, Daemon, load  # noqa: E402
 
 from loomd.derived import write_derived  # noqa: E402
 from loomd.memories import insert_memory  # noqa: E402
-from loomd.store import Store, connect_sync, migrate  # noqa: E402
+from loomd.store import Store  # noqa: E402
 from loomd.transcript import parse_file  # noqa: E402
 
 TRANSCRIPTS = REPO.parent / "shared" / "data" / "transcripts"
@@ -133,18 +132,11 @@ def ingest_probe(daemon: Daemon, n: int, tag: str) -> list[float]:
     return out
 
 
-def schema_digest() -> str:
-    """Of the schema the migrations build: a cached database is only reused by the code that built it."""
-    conn = connect_sync(":memory:")
-    migrate(conn)
-    rows = conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type, name").fetchall()
-    conn.close()
-    return hashlib.sha256(repr([tuple(r) for r in rows]).encode()).hexdigest()[:10]
-
-
 def prepare(level: int, texts: list[str], cache: Path, fresh: bool) -> tuple[Path, dict[str, Any]]:
     """A database of `level` memories with every vector back-filled (from the cache when it has one)."""
-    key = f"v{CORPUS_VERSION}-{schema_digest()}-{level}.db"
+    # A cached database is migrated forward when a daemon opens it; --fresh rebuilds it (after a change to what
+    # is derived from a memory's text, or to the corpus, which bumps CORPUS_VERSION).
+    key = f"v{CORPUS_VERSION}-{level}.db"
     cached = cache / key
     info: dict[str, Any] = {"cached": cached.exists() and not fresh}
     if info["cached"]:

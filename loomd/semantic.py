@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import sqlite3
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import aiosqlite
 import numpy as np
 
 from .backfill import Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
@@ -24,9 +26,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+try:  # glibc only (Linux); elsewhere there is nothing to do
+    _malloc_trim: Any = ctypes.CDLL("libc.so.6").malloc_trim
+    _malloc_trim.argtypes = [ctypes.c_size_t]
+except (OSError, AttributeError):
+    _malloc_trim = None
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the system. onnxruntime (its arena off) allocates and frees large buffers on every
+    run; without a trim each thread's heap keeps its high-water mark and the daemon's RSS creeps up."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
 # What the back-fill retries after (a locked or full disk included) instead of dying for the daemon's lifetime.
 BACKFILL_RETRY: tuple[type[Exception], ...] = (EmbedderError, StorageError, ValueError, *DB_ERRORS)
 RECOUNT_CHUNK = 64
+TRIM_EVERY = 8  # queries between two trims of the query thread's heap
 # A filtered search that keeps too few prefilter candidates scans the filtered set exactly, up to this many rows.
 EXACT_LIMIT = 50_000
 
@@ -60,7 +77,8 @@ class VectorService:
         self._written: set[int] = set()  # written in a transaction that may not have committed yet
         self._cursor = 0
         self._conn: sqlite3.Connection | None = None  # the back-fill thread's
-        self._query_conn: sqlite3.Connection | None = None  # the query thread's
+        self._vec_reader: aiosqlite.Connection | None = None
+        self._queries = 0
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill")
         self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query")
 
@@ -81,8 +99,10 @@ class VectorService:
         if isinstance(self.embedder, NoEmbedder):
             self.state = "off"
             return
+        await loop.run_in_executor(self._bulk, release_memory)  # the model file's bytes and the graph rewrite
         try:
             self.index = await loop.run_in_executor(self._bulk, self._open_index)
+            self._vec_reader = await self._open_reader()
         except BACKFILL_RETRY as exc:
             self.state, self.error = "failed", f"cannot read the stored vectors: {exc}"
             log.error("vector search is off: cannot read the stored vectors: %s", exc)
@@ -120,10 +140,12 @@ class VectorService:
         """Let the worker threads finish what they run (one batch at most), then close the read connection."""
         for pool in (self._query, self._bulk):
             await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)
-        for conn in (self._conn, self._query_conn):
-            if conn is not None:
-                conn.close()
-        self._conn = self._query_conn = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._vec_reader is not None:
+            await self._vec_reader.close()
+            self._vec_reader = None
 
     def wake(self) -> None:
         """Memories were committed: back-fill now."""
@@ -188,6 +210,7 @@ class VectorService:
             self.pending = 0
             return None
         plan = plan_batch(conn, self.embedder, self.index, batch)
+        release_memory()
         self.pending = max(0, conn.execute(
             "SELECT count(*) FROM memories WHERE id > ?", (self._cursor,)).fetchone()[0])
         return plan
@@ -214,44 +237,27 @@ class VectorService:
 
     # --- queries ---------------------------------------------------------------------------------------------
 
-    def _reader(self) -> sqlite3.Connection:
-        """The query thread's own read connection: vector searches never queue behind keyword queries."""
-        if self._query_conn is None:
-            self._query_conn = connect_sync(self.store.path, busy_timeout_ms=self.config.busy_timeout_ms)
-            self._query_conn.execute("PRAGMA query_only = ON")
-        return self._query_conn
-
-    def _knn(
-        self, query: str, k: int, filters: Filters, where: str, params: Sequence[Any], mixed: bool, prefilter: int,
-    ) -> tuple[list[tuple[int, float]], float]:
-        """Embed, rank in the index, then re-rank the best with the stored floats while checking every filter."""
+    def _embed_and_rank(
+        self, query: str, filters: Filters, prefilter: int, raw: bool,
+    ) -> tuple[np.ndarray, list[int], int, float]:
         assert self.embedder is not None and self.index is not None
         started = time.perf_counter()
         vector = np.frombuffer(self.embedder.embed([query])[0], dtype="<f4")
         embed_ms = (time.perf_counter() - started) * 1000
-        ranked, _, eligible = self.index.search(vector, filters, max(prefilter, k), raw=not mixed)
-        column = "mixed" if mixed else "vec"
-        sql = (f"SELECT v.memory_id, v.{column} FROM memory_vectors v JOIN memories m ON m.id = v.memory_id"
-               f" WHERE +v.model = ? AND v.{column} IS NOT NULL AND {where}")  # `+`: see backfill._vectors
-        conn = self._reader()
-        # Mixed: the int8 ranking is close to exact, so twice k is re-ranked; raw: only bits ranked, all of them.
-        step = max(2 * k if mixed else len(ranked), 1)
-        rows: list[Any] = []
-        for start in range(0, len(ranked), step):
-            chunk = ranked[start : start + step]
-            rows += conn.execute(sql + " AND v.memory_id IN (SELECT value FROM json_each(?))",
-                                 [self.index.model, *params, json.dumps(chunk)]).fetchall()
-            if len(rows) >= k:
-                break
-        if len(rows) < k and eligible > len(ranked):
-            # Archived memories took too many of the candidates: search what passes the filters exactly.
-            rows = conn.execute(sql + " LIMIT ?", [self.index.model, *params, EXACT_LIMIT]).fetchall()
-        if not rows:
-            return [], embed_ms
-        cosines = as_matrix([r[1] for r in rows], self.index.dim) @ vector
-        found = np.array([r[0] for r in rows], dtype=np.int64)
-        order = np.lexsort((found, -cosines))[:k]
-        return [(int(found[i]), float(cosines[i])) for i in order], embed_ms
+        ranked, _, eligible = self.index.search(vector, filters, prefilter, raw=raw)
+        self._queries += 1
+        if self._queries % TRIM_EVERY == 0:
+            release_memory()
+        return vector, ranked, eligible, embed_ms
+
+    async def _open_reader(self) -> aiosqlite.Connection:
+        """A read connection of the vector signal's own (its own thread): vector searches never queue behind
+        keyword queries, and SQLite's allocations stay off the model's thread (whose heap then shrinks back)."""
+        path, timeout = self.store.path, self.config.busy_timeout_ms
+        reader = aiosqlite.Connection(lambda: connect_sync(path, busy_timeout_ms=timeout), 64)
+        await reader
+        await reader.execute("PRAGMA query_only = ON")
+        return reader
 
     async def knn(
         self, query: str, *, k: int, filters: Filters, where: str, params: Sequence[Any], mixed: bool = True,
@@ -264,12 +270,36 @@ class VectorService:
         float vectors from SQLite, which also checks what the index cannot know (archived): exact cosines, and
         the filters hold even when the index lags a write. All of it on the query thread.
         """
-        if self.state != "ready" or self.index is None or not len(self.index):
+        reader = self._vec_reader
+        if self.state != "ready" or self.index is None or not len(self.index) or reader is None:
             return None
         started = time.perf_counter()
-        found, embed_ms = await asyncio.get_running_loop().run_in_executor(
-            self._query, self._knn, query, k, filters, where, params, mixed, prefilter)
+        vector, ranked, eligible, embed_ms = await asyncio.get_running_loop().run_in_executor(
+            self._query, self._embed_and_rank, query, filters, max(prefilter, k), not mixed)
+        column = "mixed" if mixed else "vec"
+        sql = (f"SELECT v.memory_id, v.{column} FROM memory_vectors v JOIN memories m ON m.id = v.memory_id"
+               f" WHERE +v.model = ? AND v.{column} IS NOT NULL AND {where}")  # `+`: see backfill._vectors
+        # Mixed: the int8 ranking is close to exact, so twice k is re-ranked; raw: only bits ranked, all of them.
+        step = max(2 * k if mixed else len(ranked), 1)
+        rows: list[Any] = []
+        for start in range(0, len(ranked), step):
+            chunk = ranked[start : start + step]
+            async with reader.execute(sql + " AND v.memory_id IN (SELECT value FROM json_each(?))",
+                                      [self.index.model, *params, json.dumps(chunk)]) as cur:
+                rows += await cur.fetchall()
+            if len(rows) >= k:
+                break
+        if len(rows) < k and eligible > len(ranked):
+            # Archived memories took too many of the candidates: search what passes the filters exactly.
+            async with reader.execute(sql + " LIMIT ?", [self.index.model, *params, EXACT_LIMIT]) as cur:
+                rows = list(await cur.fetchall())
         if timings is not None:
             timings["embed_ms"] = round(embed_ms, 3)
+        if not rows:
+            return []
+        cosines = as_matrix([r[1] for r in rows], self.index.dim) @ vector
+        found = np.array([r[0] for r in rows], dtype=np.int64)
+        order = np.lexsort((found, -cosines))[:k]
+        if timings is not None:
             timings["vec_ms"] = round((time.perf_counter() - started) * 1000, 3)
-        return found
+        return [(int(found[i]), float(cosines[i])) for i in order]
