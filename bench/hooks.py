@@ -12,6 +12,7 @@ so machine noise lands on all alike. A third side acks every request at once (`i
 floor there is only the shim's own cost. Prints one JSON object on stdout, nothing else.
 
     python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
+                          [--gap-ms MS] [--daemon-config KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -160,14 +161,17 @@ def summary(xs: list[float]) -> dict[str, Any]:
 Variant = tuple[list[str], bytes | None, dict[str, str]]
 
 
-def measure(variants: dict[str, list[Variant]], runs: int) -> dict[str, dict[str, Any]]:
-    """Interleave every variant, `runs` rounds after one warm-up round; a variant may rotate through payloads."""
+def measure(variants: dict[str, list[Variant]], runs: int, gap_ms: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Interleave every variant, `runs` rounds after one warm-up round; a variant may rotate through payloads.
+    `gap_ms`: a pause before each spawn (the agent's own time between two hooks)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     printed = dict.fromkeys(variants, 0)
     failed = dict.fromkeys(variants, 0)
     for round_ in range(runs + 1):
         for name, choices in variants.items():
             argv, stdin, env = choices[round_ % len(choices)]
+            if gap_ms:
+                time.sleep(gap_ms / 1000)
             ms, out, rc = spawn(argv, stdin, env)
             if round_:
                 times[name].append(ms)
@@ -323,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-up", action="store_true", help="only the daemon-down (spool) path")
     parser.add_argument("--skip-plain", action="store_true", help="skip the checked-in plugin's command")
     parser.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the daemon")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="pause before each spawn, as the agent's own time between hooks (default 0: back to back)")
+    parser.add_argument("--daemon-config", action="append", default=[], metavar="KEY=VALUE",
+                        help="a TOML line for the daemon's config file, e.g. prompt_semantic_inline=true (repeatable)")
     opts = parser.parse_args(argv)
     runs = opts.runs or (30 if opts.quick else 200)
     python = str(Path(opts.python).absolute())  # never resolve symlinks: a venv's python must stay the venv's
@@ -351,12 +359,14 @@ def main(argv: list[str] | None = None) -> int:
             "runs": runs, "quick": opts.quick, "events": events, "payloads": sources,
             "spawn": "/bin/sh -c <command> with CLAUDE_PLUGIN_ROOT set (as Claude Code); notify: argv exec'd",
             "installed_command_example": down_cmds.get("Stop"), "notify_argv": down_notify,
-            "timer": "perf_counter around Popen + communicate(payload) + wait",
+            "timer": "perf_counter around Popen + communicate(payload) + wait", "gap_ms": opts.gap_ms,
+            "daemon_config": opts.daemon_config,
             "target": {"p50_within_ms": TARGET_P50_MS, "p99_within_ms": TARGET_P99_MS},
         }  # fmt: skip
         first = payloads[events[0]][0]
         down = measure({**baselines(python, first),
-                        **hook_variants(events, payloads, down_cmds, down_notify, down_env)}, runs)
+                        **hook_variants(events, payloads, down_cmds, down_notify, down_env)}, runs,
+                       opts.gap_ms)
         spool = down_home / "spool"
         report["down"] = {"baselines": {k: down[k] for k in baselines(python, first)},
                           "events": with_deltas(down, events),
@@ -366,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         instant = InstantDaemon(instant_home / "loomd.sock")
         try:
             fast = measure({**baselines(python, first), **hook_variants(events, payloads, i_cmds, i_notify, i_env)},
-                           runs)
+                           runs, opts.gap_ms)
         finally:
             instant.close()
         report["instant_daemon"] = {"baselines": {k: fast[k] for k in baselines(python, first)},
@@ -381,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 plain = hook_variants([e for e in events if e != "notify"], payloads, plain_commands(python, up_home),
                                       [], plain_env, prefix="plain:")
                 variants.update(plain)
+            (up_home / "config.toml").write_text("".join(line + "\n" for line in opts.daemon_config))
             try:
                 proc, ready_s = start_daemon(python, up_home, opts.start_timeout)
             except (RuntimeError, TimeoutError, OSError) as exc:
@@ -389,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     call(up_home, "store", text="Use uv for every dependency change, never pip", kind="constraint",
                          cwd=PROJECT)
-                    up = measure(variants, runs)
+                    up = measure(variants, runs, opts.gap_ms)
                     report["up"] = {"baselines": {k: up[k] for k in baselines(python, first)},
                                     "events": with_deltas(up, events), "daemon_ready_s": round(ready_s, 3)}
                     if not opts.skip_plain:

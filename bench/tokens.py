@@ -2,9 +2,11 @@
 
 Each session file under the transcripts folder is replayed in time order, as the hooks would have delivered it:
 SessionStart, one UserPromptSubmit per user message, Pre/PostToolUse per tool call, SessionStart(compact) at a
-compaction summary, Stop, SessionEnd. Prints one JSON object: per session the tokens injected at start, per
-prompt and after compaction, duplicates (an id injected twice in one session; must be 0), and the injected share of
-the session's own tokens. Tokens are chars/4.
+compaction summary, Stop, SessionEnd. After each prompt the replay pauses `--think-ms` (the model's time before its
+first tool call; default 100 ms, far less than any real model takes) so the prompt's background semantic recall can
+arrive with the next tool result, as it would. Prints one JSON object: per session the tokens injected at start,
+per prompt (in the hook, and with the following tool result), after compaction, duplicates (an id injected twice in
+one session; must be 0), and the injected share of the session's own tokens. Tokens are chars/4.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def start_daemon(home: Path) -> subprocess.Popen[bytes]:
 
 
 class Replay:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, think_ms: float) -> None:
         self.client = client
+        self.think_s = think_ms / 1000
         self.n = 0
 
     def hook(self, event: str, body: dict[str, Any], context: bool = False) -> str:
@@ -93,8 +96,10 @@ class Replay:
             if item.kind == "user_message":
                 block = self.hook("UserPromptSubmit", {**base, "hook_event_name": "UserPromptSubmit",
                                                        "prompt": item.text}, True)
-                prompts.append({"prompt": item.text[:120], "tokens": tokens(block), "block": block})
+                prompts.append({"prompt": item.text[:120], "tokens": tokens(block), "block": block,
+                                "follow_up_tokens": 0, "follow_up": ""})
                 injected_ids += [int(x) for x in ID.findall(block)]
+                time.sleep(self.think_s)
             elif item.kind == "tool_use" and item.tool_use_id:
                 self.hook("PreToolUse", {**base, "hook_event_name": "PreToolUse", "tool_name": item.tool_name,
                                          "tool_input": item.tool_input or {}, "tool_use_id": item.tool_use_id})
@@ -108,7 +113,10 @@ class Replay:
                 body = {**base, "hook_event_name": event, "tool_name": item.tool_name or (use.tool_name if use else ""),
                         "tool_input": tool_input or {}, "tool_use_id": item.tool_use_id}
                 body["error" if event == "PostToolUseFailure" else "tool_response"] = response
-                self.hook(event, body)
+                follow_up = self.hook(event, body)
+                if follow_up and prompts:  # the semantic rest of the last prompt's recall
+                    prompts[-1]["follow_up"] += follow_up
+                    prompts[-1]["follow_up_tokens"] += tokens(follow_up)
             elif item.kind == "compact_summary":
                 self.hook("PreCompact", {**base, "hook_event_name": "PreCompact", "trigger": "auto",
                                          "custom_instructions": ""})
@@ -120,17 +128,20 @@ class Replay:
                                    "last_assistant_message": item.text})
         self.hook("SessionEnd", {**base, "hook_event_name": "SessionEnd", "reason": "other"})
         start_ids = [int(x) for x in ID.findall(start)]
-        prompt_ids = [int(x) for p in prompts for x in ID.findall(p["block"])]
+        prompt_ids = [int(x) for p in prompts for x in ID.findall(p["block"] + "\n" + p["follow_up"])]
         duplicates = len(prompt_ids) - len(set(prompt_ids)) + len(set(prompt_ids) & set(start_ids))
-        total = tokens(start) + sum(p["tokens"] for p in prompts) + compact_tokens
+        in_hook = sum(p["tokens"] for p in prompts)
+        follow_ups = sum(p["follow_up_tokens"] for p in prompts)
+        total = tokens(start) + in_hook + follow_ups + compact_tokens
         return {
             "file": str(path.relative_to(path.parents[2])) if len(path.parents) > 2 else path.name,
             "agent": agent, "items": len(items), "own_tokens": own, "start_tokens": tokens(start),
             "prompts": len(prompts), "prompts_with_recall": sum(1 for p in prompts if p["tokens"]),
-            "prompt_tokens": sum(p["tokens"] for p in prompts), "compact_tokens": compact_tokens,
+            "prompts_with_follow_up": sum(1 for p in prompts if p["follow_up_tokens"]),
+            "prompt_tokens": in_hook, "follow_up_tokens": follow_ups, "compact_tokens": compact_tokens,
             "injected_tokens": total, "share_of_own": round(total / own, 4) if own else 0.0,
             "duplicates": duplicates, "start_block": start,
-            "recall_examples": [p for p in prompts if p["tokens"]][:2],
+            "recall_examples": [p for p in prompts if p["tokens"] or p["follow_up_tokens"]][:3],
         }
 
 
@@ -140,6 +151,7 @@ def main() -> None:
                         default=Path(os.environ.get("LOOMD_TEST_DATA") or REPO.parent / "shared" / "data"))
     parser.add_argument("--quick", action="store_true", help="the first five sessions only")
     parser.add_argument("--show", action="store_true", help="include the blocks themselves")
+    parser.add_argument("--think-ms", type=float, default=100.0, help="pause after each prompt (the model's time)")
     args = parser.parse_args()
     found = sessions(args.data / "transcripts")
     if args.quick:
@@ -149,7 +161,7 @@ def main() -> None:
         proc = start_daemon(home)
         try:
             with Client(home / "loomd.sock", timeout=60) as client:
-                replay = Replay(client)
+                replay = Replay(client, args.think_ms)
                 rows = [replay.session(path, items) for path, items in found]
                 # What the next session of each project would be handed at its start.
                 for row, (path, items) in zip(rows, found, strict=True):
@@ -169,13 +181,14 @@ def main() -> None:
             row.pop("start_block")
             row.pop("recall_examples")
             row.pop("next_session_start")
-    totals = {k: sum(r[k] for r in rows) for k in ("own_tokens", "start_tokens", "prompt_tokens", "compact_tokens",
-                                                     "injected_tokens", "duplicates", "prompts",
-                                                     "prompts_with_recall")}
+    totals = {k: sum(r[k] for r in rows) for k in ("own_tokens", "start_tokens", "prompt_tokens", "follow_up_tokens",
+                                                     "compact_tokens", "injected_tokens", "duplicates", "prompts",
+                                                     "prompts_with_recall", "prompts_with_follow_up")}
     totals["share_of_own"] = round(totals["injected_tokens"] / max(1, totals["own_tokens"]), 4)
     print(json.dumps({
         "bench": "tokens", "machine": platform.machine(), "python": platform.python_version(),
-        "sessions": len(rows), "totals": totals, "memories": stats["memories"], "per_session": rows,
+        "think_ms": args.think_ms, "sessions": len(rows), "totals": totals, "memories": stats["memories"],
+        "per_session": rows,
     }, indent=2, ensure_ascii=False))
 
 

@@ -339,9 +339,8 @@ class Capturer:
                 await self._store(db, event, capture)
 
     async def _store(self, db: aiosqlite.Connection, event: Event, capture: Capture) -> None:
-        async with db.execute("SELECT captures FROM sessions WHERE id = ?", (event.session_id,)) as cur:
-            row = await cur.fetchone()
-        if row is not None and row[0] >= self.rate:
+        rows = list(await db.execute_fetchall("SELECT captures FROM sessions WHERE id = ?", (event.session_id,)))
+        if rows and rows[0][0] >= self.rate:
             return
         memory_id, is_new = await insert_memory(
             db, kind=capture.kind, text=capture.text, project=event.project, session_id=event.session_id,

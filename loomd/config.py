@@ -78,6 +78,9 @@ class Config:
     prompt_block_chars: int = 600
     prompt_block_lines: int = 3
     prompt_min_score: float = 0.5
+    # Wait for the prompt's hybrid search inside the UserPromptSubmit hook (an embedding: ~3-40 ms) instead of
+    # answering with the keyword signals and delivering the rest with the next tool result.
+    prompt_semantic_inline: bool = False
     # retrieval
     embedder: str = "local"
     embed_url: str = ""

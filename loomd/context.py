@@ -161,21 +161,25 @@ async def start_lines(store: Store, project: str, now: float | None = None) -> t
     projects = (project, "user") if project != "user" else (project,)
     base = ("FROM memories WHERE project = ? AND archived_at IS NULL AND superseded_by IS NULL"
             " AND (expires IS NULL OR expires > ?)")
+    # The covering (project, kind, archived_at) index answers this without the table, in kind order per project.
     counts: dict[str, int] = {}
-    for name in projects:  # the covering (project, kind, archived_at) index answers this without the table
-        for kind, n in await store.fetchall("SELECT kind, count(*) FROM memories WHERE project = ? AND archived_at"
-                                            " IS NULL AND kind != 'observation' GROUP BY kind", (name,)):
-            counts[kind] = counts.get(kind, 0) + n
+    for kind, n in await store.fetchall(" UNION ALL ".join(
+            "SELECT kind, count(*) FROM memories WHERE project = ? AND archived_at IS NULL AND kind != 'observation'"
+            " GROUP BY kind" for _ in projects), projects):
+        counts[kind] = counts.get(kind, 0) + n
+    # One subquery per kind and project walks the (project, kind, importance, updated) index and stops at 12 rows
+    # (a single `kind IN (...)` query would sort every memory of those kinds: hundreds of ms at 100k memories);
+    # all of them in one statement, because each round trip to the reader thread costs more than the query.
+    parts = [(kind, name) for _group, kinds in START_GROUPS for kind in kinds for name in projects]
+    sql = " UNION ALL ".join(
+        f"SELECT * FROM (SELECT * {base} AND kind = ? ORDER BY importance DESC, updated DESC, id DESC LIMIT 12)"
+        for _ in parts)
+    by_kind: dict[str, list[Any]] = {}
+    for row in await store.fetchall(sql, [p for kind, name in parts for p in (name, now, kind)]):
+        by_kind.setdefault(row["kind"], []).append(row)
     lines: list[Line] = []
     for _group, kinds in START_GROUPS:
-        # One query per kind walks the (project, kind, importance, updated) index and stops at 12 rows; a single
-        # `kind IN (...)` query would sort every memory of those kinds (hundreds of ms at 100k memories).
-        rows = []
-        for kind in kinds:
-            for name in projects:
-                rows += await store.fetchall(
-                    f"SELECT * {base} AND kind = ? ORDER BY importance DESC, updated DESC, id DESC LIMIT 12",
-                    (name, now, kind))
+        rows = [row for kind in kinds for row in by_kind.get(kind, [])]
         rows.sort(key=lambda r: (-r["importance"], -r["updated"], -r["id"]))
         for row in rows[:12]:
             if row["kind"] == "task" and json.loads(row["meta"] or "{}").get("state", "draft") not in OPEN_STATES:

@@ -30,7 +30,7 @@ from .capture import Capturer
 from .config import Config, load_config
 from .derived import write_derived
 from .errors import LoomdError
-from .ingest import Event, EventWriter
+from .ingest import EventWriter
 from .ops import Ops
 from .planner import Planner
 from .retrieval import SearchContext, search_memories
@@ -131,7 +131,7 @@ class Daemon:
         self.writer.listeners.append(lambda _events: self.memories_changed())
         self.capturer = Capturer(self.config.capture_rate_per_session, self.after_memory_write)
         self.writer.processors.append(self.capturer)
-        self.planner = Planner(self.store, lambda: self.config, self.search)
+        self.planner = Planner(self.store, lambda: self.config, self.search, self.vectors.searchable)
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
         # Before the socket opens: nothing may await between serving the first request and the signal handlers.
@@ -220,6 +220,8 @@ class Daemon:
                 log.warning("cancelled %d request(s) still running after %.1fs", left, self.config.drain_timeout_s)
         if self.scheduler is not None:
             await self.scheduler.stop()
+        if hasattr(self, "planner"):
+            await self.planner.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -246,10 +248,6 @@ class Daemon:
 
     async def _ingest_spooled(self, args: dict[str, Any]) -> None:
         await self.ops.handle_ingest(args)
-
-    async def hook_context(self, event: Event, deadline_ms: int) -> str:
-        """What a SessionStart / UserPromptSubmit hook should print: the planner's block, or nothing."""
-        return await self.planner.for_hook(event, deadline_ms)
 
     async def search(self, **kwargs: Any) -> list[dict[str, Any]]:
         return await search_memories(self.retrieval_context(), **kwargs)

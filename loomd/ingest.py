@@ -301,11 +301,11 @@ class EventWriter:
             stored: list[Event] = []
             for event in events:
                 event.stored = False
-                if event.dedup:
-                    async with db.execute("SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
-                                          (event.session_id, event.dedup)) as cur:
-                        if await cur.fetchone():
-                            continue
+                # execute_fetchall: one trip to the writer's thread where execute, fetch and close take three.
+                if event.dedup and await db.execute_fetchall(
+                        "SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
+                        (event.session_id, event.dedup)):
+                    continue
                 payload = json.dumps(event.payload, ensure_ascii=False)
                 cur = await db.execute(
                     "INSERT OR IGNORE INTO events (key, agent, session_id, project, kind, source, ts, received,"

@@ -98,10 +98,17 @@ class Ops:
         })
         event = parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=self.d.config.max_tool_output_chars,
                            now=_sent_at(a["sent_at"]))
-        await self.d.writer.submit([event])
-        stdout = ""
-        if a["context"]:
-            stdout = await self.d.hook_context(event, a["deadline_ms"] or self.d.config.context_deadline_ms)
+        # The context is read while the event commits; the reply (the ack) still waits for the commit.
+        written = asyncio.ensure_future(self.d.writer.submit([event]))
+        try:
+            if a["context"]:
+                stdout = await self.d.planner.for_hook(
+                    event, a["deadline_ms"] or self.d.config.context_deadline_ms, written)
+            else:
+                await asyncio.shield(written)
+                stdout = await self.d.planner.after_event(event)
+        finally:
+            await asyncio.shield(written)
         return {"stored": int(event.stored), "stdout": stdout}
 
     async def handle_ingest(self, args: dict[str, Any]) -> dict[str, Any]:

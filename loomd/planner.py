@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from .context import (
     start_lines,
 )
 from .ingest import Event
+from .retrieval import covered_terms
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -28,96 +30,236 @@ log = logging.getLogger(__name__)
 Search = Callable[..., Awaitable[list[dict[str, Any]]]]
 
 
-def relevant(item: dict[str, Any], min_score: float) -> bool:
-    """Inject a hit only when the meaning matches: a close vector, or a keyword hit that is not far off."""
+KEYWORD_TOP = 3  # without a cosine, only the best few keyword hits are candidates at all
+FOLLOW_UP_TIMEOUT_S = 10.0
+MAX_FOLLOW_UPS = 256  # sessions with a semantic recall waiting for its tool result
+
+
+def relevant(item: dict[str, Any], min_score: float, prompt: str) -> bool:
+    """Inject a hit only when the meaning matches: a close vector, or a keyword hit that is not far off.
+
+    Without a cosine (the keyword recall, or no embedder) a hit must be a top keyword hit that names one of the
+    prompt's entities or holds most of the prompt's words.
+    """
     explain = item.get("explain") or {}
     vec = explain.get("vec") or {}
     cosine = vec.get("cosine", vec.get("score"))
     fts = explain.get("fts")
     if isinstance(cosine, int | float):
         return cosine >= min_score or (bool(fts) and cosine >= min_score - 0.15)
-    # Full-text only (no embedder): trust only the top keyword hits.
-    return isinstance(fts, dict) and int(fts.get("rank", 99)) <= 2
+    if not isinstance(fts, dict) or int(fts.get("rank", 99)) > KEYWORD_TOP:
+        return False
+    if explain.get("graph"):
+        return True
+    held, terms = covered_terms(prompt, item["text"])
+    return (terms > 0 and held >= min(terms, max(2, min(5, math.ceil(0.4 * terms)))))
 
 
 class Planner:
-    def __init__(self, store: Store, config: Callable[[], Config], search: Search) -> None:
+    """What the hooks inject. A prompt's recall comes in two steps, so the agent never waits for an embedding: the
+    keyword signals answer inside the UserPromptSubmit hook (about a millisecond), while the hybrid search runs in
+    the background; what it adds is delivered with the session's next tool result (PostToolUse), which both
+    clients accept `additionalContext` on. `prompt_semantic_inline` waits for the hybrid search in the hook."""
+
+    def __init__(
+        self, store: Store, config: Callable[[], Config], search: Search, semantic: Callable[[], bool],
+    ) -> None:
         self.store = store
         self.config = config
         self.search = search
+        self.semantic = semantic  # whether vector search can answer now
+        self._follow_ups: dict[str, asyncio.Task[list[Line]]] = {}
+        # Injected ids whose write has not committed yet: already part of the session's set for the next recall.
+        self._marking: dict[str, list[int]] = {}
+        self._mark_tasks: set[asyncio.Task[None]] = set()
 
-    async def for_hook(self, event: Event, deadline_ms: int) -> str:
-        """The stdout of a SessionStart / UserPromptSubmit hook, or "" if nothing fits or time ran out."""
+    async def for_hook(self, event: Event, deadline_ms: int, written: Awaitable[Any] | None = None) -> str:
+        """The stdout of a SessionStart / UserPromptSubmit hook, or "" if nothing fits or time ran out.
+
+        `written`: the event's own write, still running; the reads overlap it, the planner's writes wait for it
+        (they update the session row it may create). It is never cancelled here, even when time runs out."""
         try:
-            text = await asyncio.wait_for(self._for_hook(event), max(deadline_ms, 1) / 1000)
+            text = await asyncio.wait_for(self._for_hook(event, written), max(deadline_ms, 1) / 1000)
         except TimeoutError:
             log.warning("context for %s in session %s missed its %d ms deadline", event.kind, event.session_id,
                         deadline_ms)
             return ""
         return hook_output(event.kind, text)
 
-    async def _for_hook(self, event: Event) -> str:
+    async def _for_hook(self, event: Event, written: Awaitable[Any] | None) -> str:
         if event.kind == "SessionStart":
             if event.payload.get("source") == "compact":
-                return (await self.compact(event.session_id, event.project))[0]
-            return (await self.start(event.session_id, event.project, event.agent))[0]
+                return (await self.compact(event.session_id, event.project, written))[0]
+            return (await self.start(event.session_id, event.project, event.agent, written))[0]
         if event.kind == "UserPromptSubmit" and isinstance(event.payload.get("prompt"), str):
-            return (await self.recall(event.session_id, event.project, event.payload["prompt"]))[0]
+            inline = self.config().prompt_semantic_inline
+            return (await self.recall(event.session_id, event.project, event.payload["prompt"], inline,
+                                      written))[0]
         return ""
+
+    async def after_event(self, event: Event) -> str:
+        """For any other hook: the stdout of a tool result that carries a finished follow-up recall, else ""."""
+        if event.kind in ("Stop", "SessionEnd"):
+            # The turn ended without a tool call: what was found for its prompt is stale now.
+            self._drop_follow_up(event.session_id)
+            return ""
+        if event.kind not in ("PostToolUse", "PostToolUseFailure"):
+            return ""
+        task = self._follow_ups.get(event.session_id)
+        if task is None or not task.done():
+            return ""  # still searching: the next tool result gets it, the agent never waits
+        del self._follow_ups[event.session_id]
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                log.warning("follow-up recall for session %s failed: %r", event.session_id, task.exception())
+            return ""
+        seen = await self._injected(event.session_id)
+        lines = [line for line in task.result() if line.id not in seen]
+        cfg = self.config()
+        text, ids = render_recall_block(lines, cfg.prompt_block_chars, cfg.prompt_block_lines)
+        self._mark_later(event.session_id, ids, None)
+        return hook_output(event.kind, text)
+
+    def _drop_follow_up(self, session_id: str) -> None:
+        task = self._follow_ups.pop(session_id, None)
+        if task is not None:
+            task.cancel()
+
+    def _follow_up(self, session_id: str, project: str, prompt: str) -> None:
+        """The prompt's hybrid search, in the background; replaces the session's previous one."""
+        self._drop_follow_up(session_id)
+        while len(self._follow_ups) >= MAX_FOLLOW_UPS:  # sessions that never made a tool call
+            self._drop_follow_up(next(iter(self._follow_ups)))
+        self._follow_ups[session_id] = asyncio.create_task(
+            asyncio.wait_for(self._hybrid_lines(session_id, project, prompt), FOLLOW_UP_TIMEOUT_S))
+
+    async def close(self) -> None:
+        """Stop the follow-ups; let the injected marks commit."""
+        for session_id in list(self._follow_ups):
+            self._drop_follow_up(session_id)
+        await asyncio.gather(*self._mark_tasks, return_exceptions=True)
 
     async def _injected(self, session_id: str) -> set[int]:
         raw = await self.store.scalar("SELECT injected FROM sessions WHERE id = ?", (session_id,))
-        return set(json.loads(raw)) if raw else set()
+        return (set(json.loads(raw)) if raw else set()) | set(self._marking.get(session_id, ()))
 
-    async def _mark_injected(self, session_id: str, ids: list[int]) -> None:
+    def _mark_later(self, session_id: str, ids: list[int], written: Awaitable[Any] | None) -> None:
+        """Note `ids` as injected: in memory at once, in the database after the hook has its answer (the commit's
+        fsync stays off the agent's path; a crash before it may let a memory be injected once more)."""
         if not ids:
             return
-        async with self.store.atomic() as db:
-            async with db.execute("SELECT injected FROM sessions WHERE id = ?", (session_id,)) as cur:
-                row = await cur.fetchone()
-            if row is None:
-                return
-            merged = sorted(set(json.loads(row[0] or "[]")) | set(ids))
-            await db.execute("UPDATE sessions SET injected = ? WHERE id = ?", (json.dumps(merged), session_id))
-            marks = ",".join("?" * len(ids))
-            # An injected memory is in the working set: GC and the dropper leave it alone.
-            await db.execute(f"UPDATE memories SET last_hit = strftime('%s','now') WHERE id IN ({marks})", ids)
+        self._marking.setdefault(session_id, []).extend(ids)
+        task = asyncio.create_task(self._mark_injected(session_id, ids, written))
+        self._mark_tasks.add(task)
 
-    async def start(self, session_id: str, project: str, agent: str) -> tuple[str, list[int]]:
+        def marked(_: asyncio.Task[None]) -> None:
+            self._mark_tasks.discard(task)
+            left = self._marking.get(session_id, [])
+            for memory_id in ids:
+                left.remove(memory_id)
+            if not left:
+                self._marking.pop(session_id, None)
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("could not note what session %s was shown: %s", session_id, task.exception())
+
+        task.add_done_callback(marked)
+
+    async def _mark_injected(self, session_id: str, ids: list[int], written: Awaitable[Any] | None = None) -> None:
+        if ids:
+            await _durable(written)
+            async with self.store.atomic() as db:
+                await _mark(db, session_id, ids)
+
+    async def start(
+        self, session_id: str, project: str, agent: str, written: Awaitable[Any] | None = None,
+    ) -> tuple[str, list[int]]:
         """Rendered once per session, then returned byte for byte (resume included): the prefix stays cacheable."""
         frozen = await self.store.fetchone("SELECT start_block FROM sessions WHERE id = ?", (session_id,))
         if frozen is not None and frozen[0] is not None:
+            await _durable(written)
             return frozen[0], []
         lines, counts = await start_lines(self.store, project)
         text, ids = render_start_block(project_label(project), lines, counts, self.config().start_block_budget(agent))
-        async with self.store.atomic() as db:
+        await _durable(written)
+        async with self.store.atomic() as db:  # one commit: the block frozen and its ids marked together
             await db.execute("UPDATE sessions SET start_block = ? WHERE id = ? AND start_block IS NULL",
                              (text, session_id))
             async with db.execute("SELECT start_block FROM sessions WHERE id = ?", (session_id,)) as cur:
                 row = await cur.fetchone()
-        if row is not None and row[0] != text:
-            return row[0], []  # a concurrent start won the race; its block is the session's
-        await self._mark_injected(session_id, ids)
+            if row is not None and row[0] != text:
+                return row[0], []  # a concurrent start won the race; its block is the session's
+            await _mark(db, session_id, ids)
         return text, ids
 
-    async def compact(self, session_id: str, project: str) -> tuple[str, list[int]]:
+    async def compact(
+        self, session_id: str, project: str, written: Awaitable[Any] | None = None,
+    ) -> tuple[str, list[int]]:
         budget = self.config().reflection_context_max_tokens * 4
         lines = await session_lines(self.store, session_id, project, budget)
         text, ids = render_compact_block(project_label(project), lines, budget)
-        await self._mark_injected(session_id, ids)
+        self._mark_later(session_id, ids, written)
         return text, ids
 
-    async def recall(self, session_id: str, project: str, prompt: str) -> tuple[str, list[int]]:
-        """Relevant memories for a prompt that this session has not seen yet; nothing rather than noise."""
+    async def recall(
+        self, session_id: str, project: str, prompt: str, inline: bool = True, written: Awaitable[Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """Relevant memories for a prompt that this session has not seen yet; nothing rather than noise.
+
+        `inline`: the hybrid search, waited for. Otherwise the keyword recall now and the hybrid search as a
+        follow-up for the next tool result (when vectors can answer at all)."""
         if is_trivial(prompt):
+            self._drop_follow_up(session_id)
             return "", []
         cfg = self.config()
-        seen = await self._injected(session_id)
-        hits = await self.search(query=prompt[:2000], limit=12, project=project, explain=True)
-        lines = [Line(h["id"], h["kind"], h["created"], h["text"]) for h in hits
-                 # This session's own memories are still in the agent's context (a capture of this very
-                 # prompt among them); after compaction the compact block restores them.
-                 if h["id"] not in seen and h.get("session_id") != session_id and relevant(h, cfg.prompt_min_score)]
-        text, ids = render_recall_block(lines, cfg.prompt_block_chars, cfg.prompt_block_lines)
-        await self._mark_injected(session_id, ids)
+        deferred = not inline and self.semantic()
+        found = self._keyword_lines(session_id, project, prompt) if deferred else \
+            self._hybrid_lines(session_id, project, prompt)
+        seen, lines = await asyncio.gather(self._injected(session_id), found)
+        if deferred:  # started after the keyword recall, whose reads it would otherwise queue behind
+            self._follow_up(session_id, project, prompt)
+        text, ids = render_recall_block([line for line in lines if line.id not in seen], cfg.prompt_block_chars,
+                                        cfg.prompt_block_lines)
+        self._mark_later(session_id, ids, written)
         return text, ids
+
+    async def _hybrid_lines(self, session_id: str, project: str, prompt: str) -> list[Line]:
+        hits = await self.search(query=prompt[:2000], limit=12, project=project, explain=True)
+        min_score = self.config().prompt_min_score
+        return [_recall_line(h) for h in hits if _foreign(h, session_id)
+                and relevant(h, min_score, prompt)]
+
+    async def _keyword_lines(self, session_id: str, project: str, prompt: str) -> list[Line]:
+        # Every signal but the vector one: nothing to embed.
+        hits = await self.search(query=prompt[:2000], limit=12, project=project, explain=True, weights={"vec": 0})
+        return [_recall_line(h) for h in hits if _foreign(h, session_id) and relevant(h, 1.0, prompt)]
+
+
+async def _durable(written: Awaitable[Any] | None) -> None:
+    """Wait for the event's own write, shielded: a context deadline must never cancel an event's write."""
+    if written is not None:
+        await asyncio.shield(written)
+
+
+async def _mark(db: Any, session_id: str, ids: list[int]) -> None:
+    """Add `ids` to the session's injected set, inside the caller's transaction."""
+    if not ids:
+        return
+    async with db.execute("SELECT injected FROM sessions WHERE id = ?", (session_id,)) as cur:
+        row = await cur.fetchone()
+    if row is None:
+        return
+    merged = sorted(set(json.loads(row[0] or "[]")) | set(ids))
+    await db.execute("UPDATE sessions SET injected = ? WHERE id = ?", (json.dumps(merged), session_id))
+    marks = ",".join("?" * len(ids))
+    # An injected memory is in the working set: GC and the dropper leave it alone.
+    await db.execute(f"UPDATE memories SET last_hit = strftime('%s','now') WHERE id IN ({marks})", ids)
+
+
+def _foreign(hit: dict[str, Any], session_id: str) -> bool:
+    # This session's own memories are still in the agent's context (a capture of this very prompt among them);
+    # after compaction the compact block restores them.
+    return hit.get("session_id") != session_id
+
+
+def _recall_line(hit: dict[str, Any]) -> Line:
+    return Line(hit["id"], hit["kind"], hit["created"], hit["text"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -153,19 +153,47 @@ class Stemmer:
             self._cache[term] = found
         return found
 
+    def terms(self, text: str) -> set[str]:
+        """Every index term of a whole text (not cached: texts are many and long)."""
+        self._db.execute("INSERT INTO t (rowid, x) VALUES (1, ?)", (text,))
+        found = {r[0] for r in self._db.execute("SELECT term FROM v")}
+        self._db.execute("DELETE FROM t")
+        return found
+
 
 _stem: Stemmer | None = None
+
+
+def stemmer() -> Stemmer:
+    global _stem
+    _stem = _stem or Stemmer()
+    return _stem
+
+
+def covered_terms(query: str, text: str) -> tuple[int, int]:
+    """(how many of the query's terms the text holds, as the index reads both; how many terms the query has)."""
+    terms = query_terms(query)
+    if not terms:
+        return 0, 0
+    stem = stemmer()
+    held = stem.terms(text)
+    return sum(1 for term in terms if set(stem(term)) <= held), len(terms)
+
+
 # Memories per index term, for pruning only (an estimate may be minutes old): (store, term) -> (when, count).
 _DF: dict[tuple[int, str], tuple[float, int]] = {}
 DF_TTL_S = 300.0
 
 
-async def prune_terms(store: Store, terms: list[str], budget: int) -> list[str]:
+async def prune_terms(store: Store, terms: list[str], budget: int, indexed: int) -> list[str]:
     """Drop the commonest terms while the memories the query would score exceed `budget` (BM25 scores every
-    match: 50k matches take 45 ms at 100k memories), keeping the rarest term. Within budget: every term."""
-    global _stem
-    _stem = _stem or Stemmer()
-    tokens = {term: _stem(term) for term in terms}
+    match: 50k matches take 45 ms at 100k memories), keeping the rarest term. Within budget: every term.
+
+    `indexed`, the memories in the index, bounds the matches: at or under the budget there is nothing to prune."""
+    if indexed <= budget:
+        return terms
+    stem = stemmer()
+    tokens = {term: stem(term) for term in terms}
     now = time.monotonic()
     docs: dict[str, int] = {}
     wanted = []
@@ -209,21 +237,24 @@ async def _verify(store: Store, ranked: Sequence[int], where: str, params: Seque
 
 async def fts_signal(
     store: Store, query: str, where: str, params: Sequence[Any], n: int, ctx_weight: float, budget: int,
+    indexed: int,
 ) -> list[tuple[int, float]]:
     """BM25 over text, tags and the neighbours' column (weighted ctx_weight; 0 leaves the column out)."""
     terms = query_terms(query)
     if not terms:
         return []
-    terms = await prune_terms(store, terms, budget)
+    terms = await prune_terms(store, terms, budget, indexed)
     match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
     if ctx_weight == 0:
         match = "{text tags} : (" + match + ")"
     bm25 = f"bm25(memories_fts, 1.0, 1.0, {float(ctx_weight)!r})"
-    # The index alone ranks fastest; the filters are checked on the best 2n. Too few pass: rank with them.
+    # The index alone ranks fastest; the filters are checked on the best 2n, in the same statement (one trip to
+    # the reader thread). Too few pass: rank with them.
     rows = await store.fetchall(
-        f"SELECT rowid, {bm25} AS score FROM memories_fts WHERE memories_fts MATCH ? ORDER BY score, rowid LIMIT ?",
-        [match, 2 * n])
-    kept = set(await _verify(store, [r[0] for r in rows], where, params, n))
+        f"SELECT r.id, r.score, EXISTS (SELECT 1 FROM memories m WHERE m.id = r.id AND {where}) FROM"
+        f" (SELECT rowid AS id, {bm25} AS score FROM memories_fts WHERE memories_fts MATCH ?"
+        " ORDER BY score, rowid LIMIT ?) r ORDER BY r.score, r.id", [*params, match, 2 * n])
+    kept = {r[0] for r in rows if r[2]}
     if len(kept) < n and len(rows) == 2 * n:
         rows = await store.fetchall(
             f"SELECT m.id, {bm25} AS score FROM memories_fts JOIN memories m ON m.id = memories_fts.rowid"
@@ -236,11 +267,12 @@ _TOTALS: dict[tuple[int, str, str], tuple[int, float, int]] = {}
 
 
 async def _total(ctx: SearchContext, where: str, params: Sequence[Any]) -> int:
-    """How many memories pass the filters (the graph's idf), recounted after writes at most every 2 s."""
-    generation = ctx.vectors.generation if ctx.vectors is not None else 0
+    """How many memories pass the filters (the graph's idf, the keyword budget), recounted after writes at most
+    every 2 s (every 2 s at all without the vector service, whose generation counts the writes)."""
+    generation = ctx.vectors.generation if ctx.vectors is not None else -1
     key = (id(ctx.store), where, json.dumps(list(params)))
     cached = _TOTALS.get(key)
-    if cached is not None and (cached[0] == generation or time.monotonic() - cached[1] < 2.0):
+    if cached is not None and ((generation >= 0 and cached[0] == generation) or time.monotonic() - cached[1] < 2.0):
         return cached[2]
     total = int(await ctx.store.scalar(f"SELECT count(*) FROM memories m WHERE {where}", params) or 0)
     if len(_TOTALS) > 1000:
@@ -265,14 +297,22 @@ async def graph_signal(
     entities = await ctx.store.fetchall(sql, args)
     if not entities:
         return []
+    # The entities' newest postings, a subquery each (each walks the edge index), in as few statements as SQLite's
+    # compound-select limit (500) allows.
+    found: dict[int, list[int]] = {}
+    for start in range(0, len(entities), 200):
+        chunk = entities[start : start + 200]
+        for entity_id, src_id in await ctx.store.fetchall(" UNION ALL ".join(
+                "SELECT * FROM (SELECT dst_id, src_id FROM edges WHERE dst_type = 'entity' AND dst_id = ?"
+                " AND type = 'mentions' AND src_type = 'memory' ORDER BY src_id DESC LIMIT ?)" for _ in chunk),
+                [p for entity in chunk for p in (entity[0], GRAPH_POSTINGS)]):
+            found.setdefault(entity_id, []).append(src_id)
     postings: dict[str, set[int]] = {}
     df: dict[str, int] = {}
     for entity_id, name, mentions in entities:
-        rows = await ctx.store.fetchall(
-            "SELECT src_id FROM edges WHERE dst_type = 'entity' AND dst_id = ? AND type = 'mentions'"
-            " AND src_type = 'memory' ORDER BY src_id DESC LIMIT ?", [entity_id, GRAPH_POSTINGS])
-        postings.setdefault(name, set()).update(r[0] for r in rows)
-        df[name] = df.get(name, 0) + (max(mentions, len(rows)) if len(rows) == GRAPH_POSTINGS else len(rows))
+        ids = found.get(entity_id, [])
+        postings.setdefault(name, set()).update(ids)
+        df[name] = df.get(name, 0) + (max(mentions, len(ids)) if len(ids) == GRAPH_POSTINGS else len(ids))
     ranked = score_by_entities(names, postings, await _total(ctx, where, params), df)
     kept = set(await _verify(ctx.store, [i for i, _ in ranked], where, params, n))
     return [(i, score) for i, score in ranked if i in kept]
@@ -307,15 +347,19 @@ async def search_memories(
             query, k=n, filters=filters, where=where, params=params, mixed=knobs["mixed"],
             prefilter=knobs["prefilter"], timings=timings))
     try:
+        async def timed(name: str, signal: Awaitable[list[tuple[int, float]]]) -> None:
+            t = time.perf_counter()
+            scored[name] = await signal
+            timings[f"{name}_ms"] = _ms(t)
+
+        # Together: their queries queue on the reader's thread back to back instead of one round trip each.
+        signals = []
         if "fts" in active:
-            t = time.perf_counter()
-            scored["fts"] = await fts_signal(ctx.store, query, where, params, n, knobs["ctx_weight"],
-                                             knobs["fts_budget"])
-            timings["fts_ms"] = _ms(t)
+            signals.append(timed("fts", fts_signal(ctx.store, query, where, params, n, knobs["ctx_weight"],
+                                                   knobs["fts_budget"], await _total(ctx, "1", ()))))
         if "graph" in active:
-            t = time.perf_counter()
-            scored["graph"] = await graph_signal(ctx, query, where, params, project, n)
-            timings["graph_ms"] = _ms(t)
+            signals.append(timed("graph", graph_signal(ctx, query, where, params, project, n)))
+        await asyncio.gather(*signals)
         found = None
         if knn is not None:
             try:

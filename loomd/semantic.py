@@ -168,6 +168,10 @@ class VectorService:
     def caught_up(self) -> bool:
         return self.state != "loading" and (self.state != "ready" or not (self._busy or self._wake.is_set()))
 
+    def searchable(self) -> bool:
+        """Whether `knn` can answer now (an embedder, its index loaded and holding vectors)."""
+        return self.state == "ready" and self.index is not None and len(self.index) > 0
+
     def status(self) -> dict[str, Any]:
         name = self.embedder.name if self.embedder is not None else self.config.embedder
         out: dict[str, Any] = {
@@ -271,7 +275,7 @@ class VectorService:
         the filters hold even when the index lags a write. All of it on the query thread.
         """
         reader = self._vec_reader
-        if self.state != "ready" or self.index is None or not len(self.index) or reader is None:
+        if not self.searchable() or self.index is None or reader is None:
             return None
         started = time.perf_counter()
         vector, ranked, eligible, embed_ms = await asyncio.get_running_loop().run_in_executor(

@@ -171,12 +171,14 @@ class Store:
                 raise
 
     async def fetchall(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
-        async with self.reader.execute(sql, tuple(params)) as cur:
-            return list(await cur.fetchall())
+        # One trip to the reader's thread (execute, fetch and close there), not three: on the hook path each trip
+        # costs about as much as a small query.
+        return list(await self.reader.execute_fetchall(sql, tuple(params)))
 
     async def fetchone(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Row | None:
-        async with self.reader.execute(sql, tuple(params)) as cur:
-            return await cur.fetchone()
+        """The first row of a query that yields one (a lookup by key, an aggregate)."""
+        rows = await self.fetchall(sql, params)
+        return rows[0] if rows else None
 
     async def scalar(self, sql: str, params: Iterable[Any] = ()) -> Any:
         row = await self.fetchone(sql, params)

@@ -11,6 +11,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,6 +96,16 @@ async def daemon(home: Path, sock_path: Path) -> AsyncIterator[Daemon]:
     yield d
     d.should_exit.set()
     await asyncio.wait_for(task, 30)
+
+
+async def caught_up(client: AsyncClient, within_s: float = 30.0) -> dict[str, Any]:
+    """Wait until the back-fill has embedded everything stored so far."""
+    for _ in range(int(within_s / 0.02)):
+        status = (await client.call("status"))["embedder"]
+        if status["caught_up"] and status["state"] != "loading":
+            return status
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"embedder never caught up: {status}")
 
 
 @pytest.fixture

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import caught_up, wait_for_socket
 
 from loomd.client import AsyncClient, RemoteError
-from loomd.context import CLOSE, OPEN, Line, render_start_block, sanitise
+from loomd.config import load_config
+from loomd.context import CLOSE, OPEN, PROMPT_OPEN, Line, render_start_block, sanitise
+from loomd.daemon import Daemon
+from loomd.planner import relevant
 
 CWD = "/tmp/ctxproj"
 
@@ -148,3 +155,121 @@ async def test_recall_never_echoes_the_sessions_own_captures(client: AsyncClient
     assert stats["memories"]["constraint"]["active"] == 1
     other = await hook(client, "UserPromptSubmit", session="echo2", prompt="how do I run the database migrations?")
     assert "--dry-run" in other  # another session does get it
+
+
+# --- a prompt's recall in two steps: keywords in the hook, the semantic rest with the next tool result -----------
+
+# No word in common (after stemming and stopwords), close in meaning (MiniLM cosine 0.64): only vectors find it.
+CAR = "Car insurance renewal is due in March"
+CAR_PROMPT = "when does my automobile coverage expire?"
+
+
+async def tool_result(client: AsyncClient, session: str, n: int, event: str = "PostToolUse") -> str:
+    """A PostToolUse hook as the shim sends it (no context asked): what it printed, as additionalContext or ''."""
+    reply = await client.call("hook", raw=payload(event, session, tool_name="Bash", tool_use_id=f"toolu_{session}{n}",
+                                                  tool_input={"command": "ls"}, tool_response={"stdout": "a b"}),
+                              event=event)
+    if not reply["stdout"]:
+        return ""
+    out = json.loads(reply["stdout"])
+    assert out["hookSpecificOutput"]["hookEventName"] == event
+    return out["hookSpecificOutput"]["additionalContext"]
+
+
+async def follow_up(client: AsyncClient, session: str, within_s: float = 20.0) -> tuple[str, int]:
+    """Tool results until one carries a block (the search runs in the background): the block, and how many
+    tool results it took."""
+    for n in range(1, int(within_s / 0.05)):
+        block = await tool_result(client, session, n)
+        if block:
+            return block, n
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no follow-up recall reached session {session} within {within_s} s")
+
+
+async def test_semantic_recall_follows_with_the_next_tool_result(client: AsyncClient) -> None:
+    car = await remember(client, CAR)
+    await caught_up(client)
+    said = await hook(client, "UserPromptSubmit", session="p1", prompt=CAR_PROMPT)
+    assert f"#{car}" not in said  # the hook answers from keywords alone: nothing to embed on the agent's path
+    block, _ = await follow_up(client, "p1")
+    assert block.startswith(PROMPT_OPEN) and block.endswith(CLOSE) and f"#{car}" in block and CAR in block
+    assert await tool_result(client, "p1", 999) == ""  # delivered once
+    # shown in this session now: neither the next prompt nor its follow-up repeats it
+    assert f"#{car}" not in await hook(client, "UserPromptSubmit", session="p1", prompt="so my automobile coverage?")
+    await asyncio.sleep(0.5)
+    assert f"#{car}" not in await tool_result(client, "p1", 1000)
+    # another session gets it, on a failed tool's hook too
+    await hook(client, "UserPromptSubmit", session="p1b", prompt=CAR_PROMPT)
+    for n in range(400):
+        block = await tool_result(client, "p1b", n, event="PostToolUseFailure")
+        if block:
+            break
+        await asyncio.sleep(0.05)
+    assert f"#{car}" in block
+
+
+async def test_a_turn_that_ends_without_a_tool_drops_its_follow_up(daemon: Daemon, client: AsyncClient) -> None:
+    await remember(client, CAR)
+    await caught_up(client)
+    await hook(client, "UserPromptSubmit", session="p2", prompt=CAR_PROMPT)
+    pending = daemon.planner._follow_ups["p2"]
+    await asyncio.wait_for(asyncio.shield(pending), 20)  # found, and waiting for a tool result...
+    assert pending.result()
+    await client.call("hook", raw=payload("Stop", "p2", stop_hook_active=False), event="Stop")
+    assert await tool_result(client, "p2", 1) == ""  # ...but the turn ended: stale now
+    assert "p2" not in daemon.planner._follow_ups
+
+
+async def test_a_new_prompt_replaces_the_pending_follow_up(daemon: Daemon, client: AsyncClient) -> None:
+    car = await remember(client, CAR)
+    await caught_up(client)
+    await hook(client, "UserPromptSubmit", session="p3", prompt=CAR_PROMPT)
+    first = daemon.planner._follow_ups["p3"]
+    await hook(client, "UserPromptSubmit", session="p3", prompt="draw me a picture of a lighthouse at dusk")
+    assert first.cancelled() or first.done()
+    await asyncio.wait_for(asyncio.shield(daemon.planner._follow_ups["p3"]), 20)
+    assert f"#{car}" not in await tool_result(client, "p3", 1)  # what the lighthouse prompt found, if anything
+
+
+@pytest.fixture
+async def inline_client(home: Path, sock_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[AsyncClient]:
+    monkeypatch.setenv("LOOMD_PROMPT_SEMANTIC_INLINE", "1")
+    d = Daemon(load_config())
+    task = asyncio.create_task(d.serve())
+    await wait_for_socket(sock_path)
+    async with AsyncClient(sock_path) as c:
+        yield c
+    d.should_exit.set()
+    await asyncio.wait_for(task, 30)
+
+
+async def test_prompt_semantic_inline_answers_in_the_hook(inline_client: AsyncClient) -> None:
+    car = await remember(inline_client, CAR)
+    await caught_up(inline_client)
+    said = await hook(inline_client, "UserPromptSubmit", session="p4", prompt=CAR_PROMPT)
+    assert f"#{car}" in said and said.startswith(PROMPT_OPEN)
+    assert await tool_result(inline_client, "p4", 1) == ""  # nothing follows: it was all in the hook
+
+
+@pytest.mark.parametrize(("prompt", "text", "explain", "expected"), [
+    # a top keyword hit that holds most of the prompt's words
+    ("why is the webhook test flaky in CI?", "The flaky webhook test needs REDIS_URL set; CI exports it in ci.yml",
+     {"fts": {"rank": 1}}, True),
+    ("the webhook tests are flaking again", "The flaky webhook test needs REDIS_URL set", {"fts": {"rank": 2}}, True),
+    # one common word of three is not enough
+    ("fix the failing test", "Integration tests run with make itest against Postgres", {"fts": {"rank": 1}}, False),
+    # ...unless the hit names one of the prompt's entities
+    ("fix the failing test in api/auth.py", "api/auth.py needs the clock frozen",
+     {"fts": {"rank": 1}, "graph": {"rank": 1}}, True),
+    # a keyword hit far down the list is never trusted alone
+    ("why is the webhook test flaky in CI?", "The flaky webhook test needs REDIS_URL set; CI exports it in ci.yml",
+     {"fts": {"rank": 4}}, False),
+    ("REDIS_URL?", "CI exports REDIS_URL in ci.yml", {"fts": {"rank": 1}}, True),
+    # with a cosine, the meaning decides
+    ("when does my automobile coverage expire?", CAR, {"vec": {"rank": 1, "score": 0.64}}, True),
+    ("why is the webhook test flaky in CI?", "The flaky webhook test needs REDIS_URL set",
+     {"fts": {"rank": 1}, "vec": {"rank": 3, "score": 0.2}}, False),
+])
+def test_relevance_rule(prompt: str, text: str, explain: dict[str, Any], expected: bool) -> None:
+    assert relevant({"text": text, "explain": explain}, 0.5, prompt) is expected

@@ -37,6 +37,7 @@ from conftest import REPO, DaemonProcess
 from fake_models import AnthropicFake, FakeModelServer, OpenAIResponsesFake
 
 from loomd.client import Client
+from loomd.context import PROMPT_OPEN
 
 pytestmark = pytest.mark.e2e
 
@@ -329,3 +330,42 @@ def test_claude_validates_the_marketplace_and_plugin(tmp_path: Path, home: Path)
         run = run_process([binary, "plugin", "validate", str(path)], cwd=tmp_path, env=env, timeout=60)
         assert run.returncode == 0 and "Validation passed" in run.stdout, run
         assert "warning" not in run.stdout.lower(), run
+
+
+# No word in common with its prompt, close in meaning: only the vector signal finds it (tests/test_context.py).
+CAR = "Car insurance renewal is due in March"
+CAR_PROMPT = "when does my automobile coverage expire?"
+
+
+@pytest.mark.parametrize("client", ["claude", "codex"])
+def test_semantic_recall_reaches_the_model_with_the_tool_result(
+    client: str, dirs: tuple[Path, Path], home: Path, daemon_process: Callable[..., DaemonProcess]
+) -> None:
+    """The UserPromptSubmit hook answers from keywords alone (no embedding on the agent's path); the hybrid search
+    runs while the model works, and the next PostToolUse hook hands what it found to the model."""
+    binary = require_binary(client)  # type: ignore[arg-type]
+    agent_home, proj = dirs
+    env = client_env(client, agent_home, home, binary)
+    loom_cli("install", client, env=env)
+    daemon_process().start()
+    # An observation of an earlier session: the start block lists none, so only the recall can show it.
+    memory_id = call(home, "store", text=CAR, kind="observation", session_id="an-earlier-one", cwd=str(proj))["id"]
+    wait_for(lambda: call(home, "status")["embedder"]["caught_up"], what="the memory embedded")
+    tool = "sleep 1; echo tool-ran"  # a tool that takes a moment, as real ones do: the search is done by then
+    fake: FakeModelServer
+    with AnthropicFake(tool_input={"command": tool}) if client == "claude" else \
+            OpenAIResponsesFake(tool_input={"cmd": tool}) as fake:
+        if client == "claude":
+            run = run_claude(CAR_PROMPT, home=agent_home, cwd=proj, base_url=fake.url, binary=binary, timeout=120,
+                             env={"LOOMD_HOME": str(home)})
+        else:
+            write_codex_config(agent_home, fake.url)
+            run = run_codex(CAR_PROMPT, home=agent_home, cwd=proj, binary=binary, timeout=120,
+                            env={"LOOMD_HOME": str(home)})
+        assert run.returncode == 0, run
+        requests = [list(strings(r.json)) for r in fake.model_requests()]
+    recall = [i for i, texts in enumerate(requests)
+              if any(PROMPT_OPEN in t and f"{CAR} #{memory_id}" in t.split(PROMPT_OPEN, 1)[1] for t in texts)]
+    assert len(requests) >= 2 and recall
+    assert recall[0] >= 1, "the semantic recall was in the first request: the prompt hook waited for an embedding"
+    print(f"{client}: semantic recall reached model request {recall[0] + 1} of {len(requests)}, after the tool ran")

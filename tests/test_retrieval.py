@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_for_socket
+from conftest import caught_up, wait_for_socket
 
 from loomd.client import AsyncClient, RemoteError
 from loomd.config import load_config
@@ -20,16 +20,6 @@ from loomd.memories import insert_memory
 
 DAY = 86400.0
 NOW = 1_750_000_000.0
-
-
-async def caught_up(client: AsyncClient, within_s: float = 30.0) -> dict[str, Any]:
-    """Wait until the back-fill has embedded everything stored so far."""
-    for _ in range(int(within_s / 0.02)):
-        status = (await client.call("status"))["embedder"]
-        if status["caught_up"] and status["state"] != "loading":
-            return status
-        await asyncio.sleep(0.02)
-    raise TimeoutError(f"embedder never caught up: {status}")
 
 
 async def store_all(client: AsyncClient, texts: list[str], **common: Any) -> list[int]:
