@@ -53,18 +53,18 @@ _TERM_RE = re.compile(r"[\w']+")
 Explain = dict[str, tuple[int, float]]
 
 
-def query_terms(text: str, stopwords: frozenset[str] = STOPWORDS) -> list[str]:
-    """Lower-cased non-stopword terms of `text`, first occurrence order, possessive 's dropped, at most 32."""
-    terms: list[str] = []
+def query_terms(text: str, stopwords: frozenset[str] = STOPWORDS, limit: int | None = MAX_QUERY_TERMS) -> list[str]:
+    """Lower-cased non-stopword terms of `text`, first occurrence order, possessive 's dropped, at most `limit`."""
+    terms: dict[str, None] = {}
     for raw in _TERM_RE.findall(text.lower()):
         term = raw.strip("'")
         if term.endswith("'s"):
             term = term[:-2]
         if term and term not in stopwords and term not in terms:
-            terms.append(term)
-            if len(terms) == MAX_QUERY_TERMS:
+            terms[term] = None
+            if len(terms) == limit:
                 break
-    return terms
+    return list(terms)
 
 
 def fts_query(text: str, stopwords: frozenset[str] = STOPWORDS) -> str:

@@ -153,13 +153,6 @@ class Stemmer:
             self._cache[term] = found
         return found
 
-    def terms(self, text: str) -> set[str]:
-        """Every index term of a whole text (not cached: texts are many and long)."""
-        self._db.execute("INSERT INTO t (rowid, x) VALUES (1, ?)", (text,))
-        found = {r[0] for r in self._db.execute("SELECT term FROM v")}
-        self._db.execute("DELETE FROM t")
-        return found
-
 
 _stem: Stemmer | None = None
 
@@ -176,7 +169,8 @@ def covered_terms(query: str, text: str) -> tuple[int, int]:
     if not terms:
         return 0, 0
     stem = stemmer()
-    held = stem.terms(text)
+    # Word by word through the stemmer's cache: a memory's words are mostly known already.
+    held = {t for word in set(query_terms(text, frozenset(), limit=None)) for t in stem(word)}
     return sum(1 for term in terms if set(stem(term)) <= held), len(terms)
 
 

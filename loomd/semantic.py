@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import logging
+import os
 import sqlite3
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +43,17 @@ def release_memory() -> None:
     run; without a trim each thread's heap keeps its high-water mark and the daemon's RSS creeps up."""
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+EMBED_NICENESS = 10
+
+
+def lower_priority() -> None:
+    """Run this (embedding) thread at a lower CPU priority: on a busy machine the agent's own processes, the hook
+    shims among them, and the daemon's event loop come first. Linux sets it per thread; elsewhere it is skipped."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), EMBED_NICENESS)
+
 
 # What the back-fill retries after (a locked or full disk included) instead of dying for the daemon's lifetime.
 BACKFILL_RETRY: tuple[type[Exception], ...] = (EmbedderError, StorageError, ValueError, *DB_ERRORS)
@@ -79,8 +94,8 @@ class VectorService:
         self._conn: sqlite3.Connection | None = None  # the back-fill thread's
         self._vec_reader: aiosqlite.Connection | None = None
         self._queries = 0
-        self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill")
-        self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query")
+        self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill", initializer=lower_priority)
+        self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query", initializer=lower_priority)
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
