@@ -32,6 +32,7 @@ Search = Callable[..., Awaitable[list[dict[str, Any]]]]
 
 KEYWORD_TOP = 3  # without a cosine, only the best few keyword hits are candidates at all
 FOLLOW_UP_TIMEOUT_S = 10.0
+FOLLOW_UP_DELAY_S = 0.01  # the model needs far longer than this before its first tool call
 MAX_FOLLOW_UPS = 256  # sessions with a semantic recall waiting for its tool result
 
 
@@ -71,6 +72,7 @@ class Planner:
         self._follow_ups: dict[str, asyncio.Task[list[Line]]] = {}
         # Injected ids whose write has not committed yet: already part of the session's set for the next recall.
         self._marking: dict[str, list[int]] = {}
+        self._freezing: dict[str, str] = {}  # start blocks rendered, not committed yet
         self._mark_tasks: set[asyncio.Task[None]] = set()
 
     async def for_hook(self, event: Event, deadline_ms: int, written: Awaitable[Any] | None = None) -> str:
@@ -130,8 +132,11 @@ class Planner:
         self._drop_follow_up(session_id)
         while len(self._follow_ups) >= MAX_FOLLOW_UPS:  # sessions that never made a tool call
             self._drop_follow_up(next(iter(self._follow_ups)))
-        self._follow_ups[session_id] = asyncio.create_task(
-            asyncio.wait_for(self._hybrid_lines(session_id, project, prompt), FOLLOW_UP_TIMEOUT_S))
+        self._follow_ups[session_id] = asyncio.create_task(self._search_later(session_id, project, prompt))
+
+    async def _search_later(self, session_id: str, project: str, prompt: str) -> list[Line]:
+        await asyncio.sleep(FOLLOW_UP_DELAY_S)  # the hook's reply goes out first: the agent is waiting for it
+        return await asyncio.wait_for(self._hybrid_lines(session_id, project, prompt), FOLLOW_UP_TIMEOUT_S)
 
     async def close(self) -> None:
         """Stop the follow-ups; let the injected marks commit."""
@@ -143,13 +148,16 @@ class Planner:
         raw = await self.store.scalar("SELECT injected FROM sessions WHERE id = ?", (session_id,))
         return (set(json.loads(raw)) if raw else set()) | set(self._marking.get(session_id, ()))
 
-    def _mark_later(self, session_id: str, ids: list[int], written: Awaitable[Any] | None) -> None:
-        """Note `ids` as injected: in memory at once, in the database after the hook has its answer (the commit's
-        fsync stays off the agent's path; a crash before it may let a memory be injected once more)."""
-        if not ids:
+    def _mark_later(
+        self, session_id: str, ids: list[int], written: Awaitable[Any] | None, freeze: str | None = None,
+    ) -> None:
+        """Note `ids` as injected (and `freeze` as the session's start block): in memory at once, in the database
+        after the hook has its answer, so the commit's fsync stays off the agent's path. A crash before that commit
+        may let a memory be injected once more, or a resumed session's start block be rendered anew."""
+        if not ids and freeze is None:
             return
         self._marking.setdefault(session_id, []).extend(ids)
-        task = asyncio.create_task(self._mark_injected(session_id, ids, written))
+        task = asyncio.create_task(self._mark_injected(session_id, ids, written, freeze))
         self._mark_tasks.add(task)
 
         def marked(_: asyncio.Task[None]) -> None:
@@ -159,36 +167,38 @@ class Planner:
                 left.remove(memory_id)
             if not left:
                 self._marking.pop(session_id, None)
+            if freeze is not None and self._freezing.get(session_id) == freeze:
+                del self._freezing[session_id]
             if not task.cancelled() and task.exception() is not None:
                 log.warning("could not note what session %s was shown: %s", session_id, task.exception())
 
         task.add_done_callback(marked)
 
-    async def _mark_injected(self, session_id: str, ids: list[int], written: Awaitable[Any] | None = None) -> None:
-        if ids:
-            await _durable(written)
-            async with self.store.atomic() as db:
-                await _mark(db, session_id, ids)
+    async def _mark_injected(
+        self, session_id: str, ids: list[int], written: Awaitable[Any] | None = None, freeze: str | None = None,
+    ) -> None:
+        await _durable(written)
+        async with self.store.atomic() as db:  # one commit: the block frozen and its ids marked together
+            if freeze is not None:
+                await db.execute("UPDATE sessions SET start_block = ? WHERE id = ? AND start_block IS NULL",
+                                 (freeze, session_id))
+            await _mark(db, session_id, ids)
 
     async def start(
         self, session_id: str, project: str, agent: str, written: Awaitable[Any] | None = None,
     ) -> tuple[str, list[int]]:
         """Rendered once per session, then returned byte for byte (resume included): the prefix stays cacheable."""
-        frozen = await self.store.fetchone("SELECT start_block FROM sessions WHERE id = ?", (session_id,))
-        if frozen is not None and frozen[0] is not None:
-            await _durable(written)
-            return frozen[0], []
+        frozen = self._freezing.get(session_id)
+        if frozen is None:
+            row = await self.store.fetchone("SELECT start_block FROM sessions WHERE id = ?", (session_id,))
+            frozen = row[0] if row is not None else None
+        if frozen is not None:
+            return frozen, []
         lines, counts = await start_lines(self.store, project)
         text, ids = render_start_block(project_label(project), lines, counts, self.config().start_block_budget(agent))
-        await _durable(written)
-        async with self.store.atomic() as db:  # one commit: the block frozen and its ids marked together
-            await db.execute("UPDATE sessions SET start_block = ? WHERE id = ? AND start_block IS NULL",
-                             (text, session_id))
-            async with db.execute("SELECT start_block FROM sessions WHERE id = ?", (session_id,)) as cur:
-                row = await cur.fetchone()
-            if row is not None and row[0] != text:
-                return row[0], []  # a concurrent start won the race; its block is the session's
-            await _mark(db, session_id, ids)
+        if self._freezing.setdefault(session_id, text) != text:
+            return self._freezing[session_id], []  # a concurrent start rendered first; its block is the session's
+        self._mark_later(session_id, ids, written, freeze=text)
         return text, ids
 
     async def compact(

@@ -54,6 +54,18 @@ async def test_start_block_is_frozen_per_session(client: AsyncClient) -> None:
     assert "A newer decision" in other
 
 
+async def test_concurrent_starts_of_one_session_share_one_block(client: AsyncClient) -> None:
+    await remember(client, "Chose SQLite WAL over Postgres for the local store", "decision")
+    first, second = await asyncio.gather(hook(client, "SessionStart", session="race", source="startup"),
+                                         hook(client, "SessionStart", session="race", source="resume"))
+    assert first == second and "[D]" in first
+    await remember(client, "A newer decision that must not change the frozen block", "decision")
+    await asyncio.sleep(0.2)  # the freeze has committed by now: the block comes from the database
+    assert await hook(client, "SessionStart", session="race", source="resume") == first
+    row = await client.call("context", kind="start", session_id="race", cwd=CWD)
+    assert row["text"] == first
+
+
 async def test_start_block_never_exceeds_budget(client: AsyncClient) -> None:
     for i in range(60):
         await remember(client, f"Decision {i}: " + "use the retry queue for webhook delivery " * 5, "decision")
