@@ -92,7 +92,17 @@ class Replay:
         injected_ids = [int(x) for x in ID.findall(start)]
         prompts: list[dict[str, Any]] = []
         compact_tokens = 0
-        for item in items:
+        # The last assistant message before each user message (and the session's last one) ends a turn.
+        turn_ends: set[int] = set()
+        last = None
+        for n, item in enumerate(items):
+            if item.kind == "user_message" and last is not None:
+                turn_ends.add(last)
+            elif item.kind == "assistant_message":
+                last = n
+        if last is not None:
+            turn_ends.add(last)
+        for n, item in enumerate(items):
             if item.kind == "user_message":
                 block = self.hook("UserPromptSubmit", {**base, "hook_event_name": "UserPromptSubmit",
                                                        "prompt": item.text}, True)
@@ -123,7 +133,7 @@ class Replay:
                 block = self.hook("SessionStart", {**base, "hook_event_name": "SessionStart", "source": "compact"},
                                   True)
                 compact_tokens += tokens(block)
-            elif item.kind == "assistant_message":
+            elif item.kind == "assistant_message" and n in turn_ends:  # Stop fires once, when the turn ends
                 self.hook("Stop", {**base, "hook_event_name": "Stop", "stop_hook_active": False,
                                    "last_assistant_message": item.text})
         self.hook("SessionEnd", {**base, "hook_event_name": "SessionEnd", "reason": "other"})
