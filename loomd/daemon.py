@@ -285,7 +285,13 @@ def loop_factory() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+# How long a thread may hold the GIL while another waits (Python's default: 5 ms). The embedding threads do Python
+# and numpy work between model runs; a hook's request must not wait that long for the event loop's turn.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def run(config: Config) -> int:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     daemon = Daemon(config, listen_sock=inherited_socket())
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         try:

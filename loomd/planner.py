@@ -32,7 +32,6 @@ Search = Callable[..., Awaitable[list[dict[str, Any]]]]
 
 KEYWORD_TOP = 3  # without a cosine, only the best few keyword hits are candidates at all
 FOLLOW_UP_TIMEOUT_S = 10.0
-FOLLOW_UP_DELAY_S = 0.01  # the model needs far longer than this before its first tool call
 MAX_FOLLOW_UPS = 256  # sessions with a semantic recall waiting for its tool result
 
 
@@ -135,7 +134,7 @@ class Planner:
         self._follow_ups[session_id] = asyncio.create_task(self._search_later(session_id, project, prompt))
 
     async def _search_later(self, session_id: str, project: str, prompt: str) -> list[Line]:
-        await asyncio.sleep(FOLLOW_UP_DELAY_S)  # the hook's reply goes out first: the agent is waiting for it
+        await asyncio.sleep(0)  # the hook's reply goes out first: the agent is waiting for it
         return await asyncio.wait_for(self._hybrid_lines(session_id, project, prompt), FOLLOW_UP_TIMEOUT_S)
 
     async def close(self) -> None:
