@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ from .context import (
     session_lines,
     start_lines,
 )
+from .entities import extract_entities
 from .ingest import Event
 from .retrieval import covered_terms
 from .store import Store
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 Search = Callable[..., Awaitable[list[dict[str, Any]]]]
 
 
+PROMPT_FTS_BUDGET = 2000  # memories the prompt hook's full-text query may score (retrieval.prune_terms)
 KEYWORD_TOP = 3  # without a cosine, only the best few keyword hits are candidates at all
 FOLLOW_UP_TIMEOUT_S = 10.0
 MAX_FOLLOW_UPS = 256  # sessions with a semantic recall waiting for its tool result
@@ -49,10 +52,16 @@ def relevant(item: dict[str, Any], min_score: float, prompt: str) -> bool:
         return cosine >= min_score or (bool(fts) and cosine >= min_score - 0.15)
     if not isinstance(fts, dict) or int(fts.get("rank", 99)) > KEYWORD_TOP:
         return False
-    if explain.get("graph"):
+    if prompt_entities(prompt) & {name for name, _ in extract_entities(item["text"])}:
         return True
     held, terms = covered_terms(prompt, item["text"])
-    return (terms > 0 and held >= min(terms, max(2, min(5, math.ceil(0.4 * terms)))))
+    return terms > 0 and held >= min(terms, max(2, min(5, math.ceil(0.4 * terms))))
+
+
+@functools.lru_cache(maxsize=64)
+def prompt_entities(prompt: str) -> frozenset[str]:
+    """The prompt's entity names (asked once per hit, so kept for the few prompts in flight)."""
+    return frozenset(name for name, _ in extract_entities(prompt))
 
 
 class Planner:
@@ -238,8 +247,12 @@ class Planner:
                 and relevant(h, min_score, prompt)]
 
     async def _keyword_lines(self, session_id: str, project: str, prompt: str) -> list[Line]:
-        # Every signal but the vector one: nothing to embed.
-        hits = await self.search(query=prompt[:2000], limit=12, project=project, explain=True, weights={"vec": 0})
+        # Full text with recency and recurrence: nothing to embed, and no graph walk (at 10k memories it costs more
+        # than the full-text search; whether a top hit names one of the prompt's entities is checked on the hit).
+        # A tighter keyword budget than search's: the commonest words stop ranking sooner (coverage still counts
+        # them), which keeps this at ~3 ms with 100k memories.
+        hits = await self.search(query=prompt[:2000], limit=12, project=project, explain=True,
+                                 weights={"vec": 0, "graph": 0}, tuning={"fts_budget": PROMPT_FTS_BUDGET})
         return [_recall_line(h) for h in hits if _foreign(h, session_id) and relevant(h, 1.0, prompt)]
 
 
