@@ -31,9 +31,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 256 * 1024
+
 try:  # glibc only (Linux); elsewhere there is nothing to do
-    _malloc_trim: Any = ctypes.CDLL("libc.so.6").malloc_trim
+    _libc = ctypes.CDLL("libc.so.6")
+    _malloc_trim: Any = _libc.malloc_trim
     _malloc_trim.argtypes = [ctypes.c_size_t]
+    # A fixed threshold: glibc otherwise raises it to the size of each large block freed, after which the model's
+    # buffers (megabytes, allocated and freed on every run) come from the heap and the heap keeps its peak.
+    _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 except (OSError, AttributeError):
     _malloc_trim = None
 
