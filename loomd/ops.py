@@ -105,8 +105,7 @@ class Ops:
                 stdout = await self.d.planner.for_hook(
                     event, a["deadline_ms"] or self.d.config.context_deadline_ms, written)
             else:
-                await asyncio.shield(written)
-                stdout = await self.d.planner.after_event(event)
+                stdout = await self.d.planner.after_event(event, written)
         finally:
             await asyncio.shield(written)
         return {"stored": int(event.stored), "stdout": stdout}

@@ -107,8 +107,9 @@ class Planner:
                                       written))[0]
         return ""
 
-    async def after_event(self, event: Event) -> str:
-        """For any other hook: the stdout of a tool result that carries a finished follow-up recall, else ""."""
+    async def after_event(self, event: Event, written: Awaitable[Any] | None = None) -> str:
+        """For any other hook: the stdout of a tool result that carries a finished follow-up recall, else "".
+        `written`: the event's own write, as for `for_hook`."""
         if event.kind in ("Stop", "SessionEnd"):
             # The turn ended without a tool call: what was found for its prompt is stale now.
             self._drop_follow_up(event.session_id)
@@ -127,7 +128,7 @@ class Planner:
         lines = [line for line in task.result() if line.id not in seen]
         cfg = self.config()
         text, ids = render_recall_block(lines, cfg.prompt_block_chars, cfg.prompt_block_lines)
-        self._mark_later(event.session_id, ids, None)
+        self._mark_later(event.session_id, ids, written)
         return hook_output(event.kind, text)
 
     def _drop_follow_up(self, session_id: str) -> None:

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +84,10 @@ async def wait_for_socket(path: Path, within_s: float = 15.0) -> None:
     raise TimeoutError(f"daemon socket {path} did not appear")
 
 
-@pytest.fixture
-async def daemon(home: Path, sock_path: Path) -> AsyncIterator[Daemon]:
-    """A real Daemon.serve() task in the test's loop, on a temporary socket and database file."""
+@asynccontextmanager
+async def serving(sock_path: Path) -> AsyncIterator[Daemon]:
+    """A real Daemon.serve() task in this loop, configured from the environment (LOOMD_HOME, LOOMD_*), until the
+    block ends; a daemon that dies while starting raises its error here."""
     d = Daemon(load_config())
     task = asyncio.create_task(d.serve())
     waiter = asyncio.create_task(wait_for_socket(sock_path))
@@ -93,9 +95,18 @@ async def daemon(home: Path, sock_path: Path) -> AsyncIterator[Daemon]:
     if task in done:
         waiter.cancel()
         task.result()
-    yield d
-    d.should_exit.set()
-    await asyncio.wait_for(task, 30)
+    try:
+        yield d
+    finally:
+        d.should_exit.set()
+        await asyncio.wait_for(task, 30)
+
+
+@pytest.fixture
+async def daemon(home: Path, sock_path: Path) -> AsyncIterator[Daemon]:
+    """A real daemon on a temporary socket and database file."""
+    async with serving(sock_path) as d:
+        yield d
 
 
 async def caught_up(client: AsyncClient, within_s: float = 30.0) -> dict[str, Any]:

@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import caught_up, wait_for_socket
+from conftest import caught_up, serving
 
 from loomd.client import AsyncClient, RemoteError
-from loomd.config import load_config
 from loomd.context import CLOSE, OPEN, PROMPT_OPEN, Line, render_start_block, sanitise
 from loomd.daemon import Daemon
 from loomd.planner import relevant
@@ -247,13 +246,8 @@ async def test_a_new_prompt_replaces_the_pending_follow_up(daemon: Daemon, clien
 @pytest.fixture
 async def inline_client(home: Path, sock_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[AsyncClient]:
     monkeypatch.setenv("LOOMD_PROMPT_SEMANTIC_INLINE", "1")
-    d = Daemon(load_config())
-    task = asyncio.create_task(d.serve())
-    await wait_for_socket(sock_path)
-    async with AsyncClient(sock_path) as c:
+    async with serving(sock_path), AsyncClient(sock_path) as c:
         yield c
-    d.should_exit.set()
-    await asyncio.wait_for(task, 30)
 
 
 async def test_prompt_semantic_inline_answers_in_the_hook(inline_client: AsyncClient) -> None:

@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import need_test_data, wait_for_socket
+from conftest import need_test_data, serving
 
 from loomd.cli import main as cli_main
 from loomd.client import AsyncClient, Client
-from loomd.config import load_config
 from loomd.daemon import Daemon
 from loomd.store import connect_sync
 from loomd.workers.digest import budgets, render_digest
@@ -41,19 +40,8 @@ async def loomd(monkeypatch: pytest.MonkeyPatch, home: Path, **env: Any) -> Asyn
     settings = {"passive": True, "tail_transcripts": False, "embedder": "none", **env}
     for name, value in settings.items():
         monkeypatch.setenv(f"LOOMD_{name.upper()}", str(int(value) if isinstance(value, bool) else value))
-    d = Daemon(load_config())
-    task = asyncio.create_task(d.serve())
-    waiter = asyncio.create_task(wait_for_socket(home / "loomd.sock"))
-    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        waiter.cancel()
-        task.result()
-    try:
-        async with AsyncClient(home / "loomd.sock") as client:
-            yield d, client
-    finally:
-        d.should_exit.set()
-        await asyncio.wait_for(task, 30)
+    async with serving(home / "loomd.sock") as d, AsyncClient(home / "loomd.sock") as client:
+        yield d, client
 
 
 def ev(session: str, kind: str, payload: dict[str, Any], ts: float, **extra: Any) -> dict[str, Any]:
