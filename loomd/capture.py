@@ -8,17 +8,26 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiosqlite
 
 from .ingest import Event
 from .memories import insert_memory
+from .workers.steps import (
+    EDIT_TOOLS,
+    SHELL_TOOLS,
+    TEST_COMMAND,
+    commit_subject,
+    failed_output,
+    first_error_line,
+    response_text,
+    shell_command,
+)
+from .workers.text import clip
 
-MAX_TEXT = 200
+MAX_TEXT = 200  # characters of a captured memory
 
 
 @dataclass
@@ -58,19 +67,14 @@ class Rule:
 
 
 # --- parsing helpers (pure) -------------------------------------------------------------------------------------
+# What a tool call is (its command line, output, failure, commit subject, first error line) is read by the same
+# functions the observer uses (workers/steps.py); what is here decides only what is worth capturing.
 
-SHELL_TOOLS = {"Bash", "bash", "shell", "exec_command", "local_shell", "container.exec"}
-EDIT_TOOLS = {"Edit", "Write", "MultiEdit", "NotebookEdit", "apply_patch", "edit_file", "write_file"}
 PLUMBING = re.compile(
     r"^\s*(git\s+(push|pull|fetch|stash|status|diff|log|show|add|checkout\s+(?!-b)\S+$|restore|remote|config)\b"
     r"|git\s+commit\b(?!.*\s(-\w*m|--message)\b)"
     r"|ls\b|ll\b|cd\b|pwd\b|cat\b|head\b|tail\b|less\b|echo\b|which\b|find\b|rg\b|grep\b|sed\s+-n\b|wc\b|tree\b"
     r"|clear\b|history\b|whoami\b|env\b|printenv\b|true\b|date\b)"
-)
-TEST_COMMAND = re.compile(
-    r"\b(pytest|py\.test|tox|nox|unittest|npm\s+(run\s+)?test|yarn\s+test|pnpm\s+(run\s+)?test|jest|vitest|mocha"
-    r"|cargo\s+(test|nextest)|go\s+test|mvn\s+(test|verify)|gradle\w*\s+test|make\s+(test|check)|ctest|rspec"
-    r"|phpunit|dotnet\s+test|bun\s+test|deno\s+test)\b"
 )
 SIGNIFICANT_FILE = re.compile(
     r"(^|/)(pyproject\.toml|setup\.(py|cfg)|requirements[^/]*\.txt|package\.json|tsconfig[^/]*\.json|Cargo\.toml"
@@ -85,47 +89,14 @@ USER_RULE = re.compile(
     r"stop using|instead of|we use|use only|only use|remember (that|to))\b",
     re.IGNORECASE,
 )
-ERROR_LINE = re.compile(r"(error|exception|traceback|failed|failure|fatal|cannot|could not|not found|denied|"
-                        r"panic|segmentation fault|assert)", re.IGNORECASE)
-EXIT_CODE = re.compile(r'(?:"exit_code"\s*:\s*|Exit code:?\s*|exit (?:status|code) )(-?\d+)', re.IGNORECASE)
 TEST_PASS = re.compile(r"\b(\d+ passed|all tests passed|tests? passed|ok \(\d+|PASS\b|test result: ok|0 failed)",
                        re.IGNORECASE)
-
-
-def clip(text: str, limit: int = MAX_TEXT) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def shell_command(tool_input: Any) -> str:
-    """The command line of a shell tool call, from Claude (`command`) or Codex (`cmd`, or argv lists)."""
-    if not isinstance(tool_input, dict):
-        return ""
-    cmd = tool_input.get("command", tool_input.get("cmd", ""))
-    if isinstance(cmd, list):
-        parts = [str(p) for p in cmd]
-        # Codex wraps commands as ["bash", "-lc", "<script>"].
-        if len(parts) >= 3 and parts[0].endswith("sh") and parts[1] in ("-lc", "-c"):
-            return parts[2]
-        return " ".join(shlex.quote(p) for p in parts)
-    return str(cmd)
 
 
 def command_key(command: str) -> str:
     """Commands that are 'the same command' for fix detection: the first two words, flags dropped."""
     words = [w for w in command.strip().split() if not w.startswith("-")][:3]
     return " ".join(words)
-
-
-def first_error_line(output: str) -> str:
-    for line in output.splitlines():
-        line = line.strip()
-        if line and ERROR_LINE.search(line) and not line.startswith("at "):
-            return clip(line, 140)
-    for line in output.splitlines():
-        if line.strip():
-            return clip(line.strip(), 140)
-    return ""
 
 
 def normalise_error(line: str) -> str:
@@ -135,36 +106,13 @@ def normalise_error(line: str) -> str:
     return re.sub(r"['\"`].*?['\"`]", "<s>", line).lower()
 
 
-def output_failed(output: str, flagged: bool) -> bool:
-    if flagged:
-        return True
-    match = EXIT_CODE.search(output[:4000])
-    return bool(match and match.group(1) != "0")
-
-
-def commit_subject(command: str) -> str | None:
-    if not re.search(r"\bgit\b(\s+-\S+(\s+\S+)?)*\s+commit\b", command):
-        return None
-    match = re.search(r"""(?:\s-[a-zA-Z]*m|--message)(?:=|\s+)(?:"((?:[^"\\]|\\.)*)"|'([^']*)'|(\S+))""", command)
-    if match:
-        subject = next(g for g in match.groups() if g is not None)
-    else:
-        heredoc = re.search(r"<<'?(\w+)'?\s*\n(.*?)\n\1", command, re.DOTALL)
-        subject = heredoc.group(2) if heredoc else ""
-    subject = subject.replace("\\n", "\n").strip().splitlines()[0].strip() if subject.strip() else ""
-    if subject.startswith("$(cat"):
-        heredoc = re.search(r"<<'?(\w+)'?\s*\n(.*?)\n\s*\1", command, re.DOTALL)
-        subject = heredoc.group(2).strip().splitlines()[0] if heredoc else ""
-    return subject or None
-
-
 # --- the rules --------------------------------------------------------------------------------------------------
 
 def _git_commit(run: ToolRun | None, _prompt: str | None, _s: SessionMemory) -> str | None:
     if run is None or run.failed or not run.command:
         return None
-    subject = commit_subject(run.command)
-    return f"Committed: {clip(subject, 180)}" if subject else None
+    commit = commit_subject(run.command, run.output)
+    return f"Committed: {clip(commit[1], 180)}" if commit else None
 
 
 def _git_history(run: ToolRun | None, _prompt: str | None, _s: SessionMemory) -> str | None:
@@ -269,25 +217,12 @@ def evaluate(run: ToolRun | None, prompt: str | None, state: SessionMemory) -> l
 
 # --- wiring into ingest -------------------------------------------------------------------------------------------
 
-def _response_text(response: Any) -> tuple[str, bool]:
-    if isinstance(response, str):
-        return response, False
-    if isinstance(response, dict):
-        parts = [str(response.get(k)) for k in ("stdout", "stderr", "output", "error", "content", "message")
-                 if isinstance(response.get(k), str) and response.get(k)]
-        flagged = bool(response.get("is_error") or response.get("isError") or response.get("interrupted")
-                       or (isinstance(response.get("exit_code"), int) and response["exit_code"] != 0)
-                       or response.get("success") is False)
-        return "\n".join(parts), flagged
-    return json.dumps(response)[:4000] if response is not None else "", False
-
-
 async def tool_run(db: aiosqlite.Connection, event: Event) -> ToolRun | None:
     """A finished tool call from a PostToolUse hook or a transcript tool_result (its input looked up)."""
     p = event.payload
     if event.kind in ("PostToolUse", "PostToolUseFailure"):
         tool, tool_input = str(p.get("tool_name") or ""), p.get("tool_input")
-        output, flagged = _response_text(p.get("tool_response") or p.get("error"))
+        output, flagged = response_text(p.get("tool_response") or p.get("error"))
         flagged = flagged or event.kind == "PostToolUseFailure"
     elif event.kind == "tool_result" and event.tool_use_id:
         async with db.execute("SELECT payload, tool_name FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
@@ -300,14 +235,14 @@ async def tool_run(db: aiosqlite.Connection, event: Event) -> ToolRun | None:
         output, flagged = str(p.get("text") or ""), bool(p.get("is_error"))
     else:
         return None
-    command = shell_command(tool_input) if tool in SHELL_TOOLS or "command" in (tool_input or {}) else ""
-    path = ""
-    if isinstance(tool_input, dict):
-        path = str(tool_input.get("file_path") or tool_input.get("path") or tool_input.get("notebook_path") or "")
-        if tool == "apply_patch" and not path:
-            match = re.search(r"\*\*\* (?:Update|Add) File: (\S+)", str(tool_input.get("input", "")))
-            path = match.group(1) if match else ""
-    return ToolRun(tool, command, path, output, output_failed(output, flagged))
+    # A hook payload is whatever the agent (or anyone on the socket) sent: tool_input may be any JSON value.
+    tool_input = tool_input if isinstance(tool_input, dict) else {}
+    command = shell_command(tool_input) if tool in SHELL_TOOLS or "command" in tool_input else ""
+    path = str(tool_input.get("file_path") or tool_input.get("path") or tool_input.get("notebook_path") or "")
+    if tool == "apply_patch" and not path:
+        match = re.search(r"\*\*\* (?:Update|Add) File: (\S+)", str(tool_input.get("input", "")))
+        path = match.group(1) if match else ""
+    return ToolRun(tool, command, path, output, failed_output(output, flagged))
 
 
 def prompt_text(event: Event) -> str | None:

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,14 @@ class Event:
     stored: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Fields read from JSON text ("\ud800" is valid JSON) may hold a lone surrogate, which SQLite cannot store.
+        for name in ("key", "agent", "session_id", "kind", "source", "cwd", "project", "transcript_path", "tool_name",
+                     "tool_use_id", "dedup"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.isascii():
+                setattr(self, name, without_surrogates(value))
+
     @property
     def tokens(self) -> int:
         return max(1, len(event_text(self)) // 4)
@@ -72,9 +81,20 @@ def clean_cut(text: str, limit: int) -> int:
     return cut if cut > limit - CUT_BACKOFF and cut > 0 else limit
 
 
-def truncate_strings(value: Any, max_chars: int, depth: int = 0) -> Any:
-    """Cut long strings and too-deep branches with a marker: oversized output is kept in part, never rejected."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_surrogates(text: str) -> str:
+    """A lone UTF-16 surrogate (JSON may escape one) becomes U+FFFD: it has no UTF-8 form, so nothing could store
+    it. isascii() is a flag check in CPython, so ASCII text costs nothing."""
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def clean_strings(value: Any, max_chars: int, depth: int = 0) -> Any:
+    """Cut long strings and too-deep branches with a marker (oversized output is kept in part, never rejected), and
+    replace lone surrogates, in keys and values alike."""
     if isinstance(value, str):
+        value = without_surrogates(value)
         if len(value) > max_chars:
             cut = clean_cut(value, max_chars)
             return value[:cut] + f"…[truncated {len(value) - cut} chars]"
@@ -82,9 +102,9 @@ def truncate_strings(value: Any, max_chars: int, depth: int = 0) -> Any:
     if isinstance(value, dict | list) and depth >= MAX_DEPTH:
         return f"…[truncated: nested deeper than {MAX_DEPTH} levels]"
     if isinstance(value, dict):
-        return {str(k): truncate_strings(v, max_chars, depth + 1) for k, v in value.items()}
+        return {without_surrogates(str(k)): clean_strings(v, max_chars, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [truncate_strings(v, max_chars, depth + 1) for v in value[:1000]]
+        return [clean_strings(v, max_chars, depth + 1) for v in value[:1000]]
     return value
 
 
@@ -132,7 +152,7 @@ def parse_hook(
     session_id = str(payload.get("session_id") or payload.get("thread-id") or "")
     if not session_id:
         raise BadRequest("hook payload has no session_id")
-    payload = redact_value(truncate_strings(payload, max_chars))
+    payload = redact_value(clean_strings(payload, max_chars))
     assert isinstance(payload, dict)
     tool_use_id = payload.get("tool_use_id")
     tool_use_id = str(tool_use_id) if tool_use_id else None
@@ -177,7 +197,7 @@ def parse_normalised(obj: Any, *, max_chars: int) -> Event:
             raise BadRequest(f"event field '{name}' is required")
     if obj.get("ts") is not None and not 0 <= obj["ts"] <= LATEST_TS:
         raise BadRequest(f"event field 'ts' must be a Unix time between 0 and {LATEST_TS:.0f}")
-    payload = redact_value(truncate_strings(obj.get("payload") or {}, max_chars))
+    payload = redact_value(clean_strings(obj.get("payload") or {}, max_chars))
     assert isinstance(payload, dict)
     agent = str(obj.get("agent") or "script")
     body = json.dumps(payload, sort_keys=True, ensure_ascii=False)
@@ -215,6 +235,10 @@ def event_text(event: Event) -> str:
 Processor = Callable[[aiosqlite.Connection, Sequence[Event]], Awaitable[None]]
 # A listener runs after the commit, outside the transaction (wake workers, start tailers).
 Listener = Callable[[Sequence[Event]], None]
+
+
+class ProcessorFailed(Exception):
+    """A processor raised inside a commit (a bug it must not turn into a lost event)."""
 
 
 @dataclass
@@ -275,26 +299,46 @@ class EventWriter:
                 item = self._queue.get_nowait()
                 batch.append(item)
                 size += len(item.events)
+            failed: dict[int, Exception] = {}
             try:
                 await self._commit(batch)
             except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
-                log.error("could not commit %d event(s); nothing of them was acknowledged: %s", size, exc)
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
-                    self._queue.task_done()
-                continue
+                failed = await self._commit_apart(batch, exc)
             for item in batch:
                 if not item.future.done():
-                    item.future.set_result(item.events)
+                    if id(item) in failed:
+                        item.future.set_exception(failed[id(item)])
+                    else:
+                        item.future.set_result(item.events)
                 self._queue.task_done()
+            done = [e for item in batch if id(item) not in failed for e in item.events]
             for listener in self.listeners:
                 try:
-                    listener([e for item in batch for e in item.events])
+                    listener(done)
                 except Exception:  # noqa: BLE001 - a listener must never stop ingest
                     log.exception("event listener failed")
 
-    async def _commit(self, batch: list[Batch]) -> None:
+    async def _commit_apart(self, batch: list[Batch], first: Exception) -> dict[int, Exception]:
+        """After a failed group commit, each submitter's events alone, so that one bad event fails only its own
+        submitter; events whose processors (capture) fail are stored without what they would derive — the
+        event itself is what must not be lost. Returns the submitters that failed all the same (by id)."""
+        if not isinstance(first, ProcessorFailed):
+            log.warning("a group commit of %d submitter(s) failed (%s); committing each alone", len(batch), first)
+        failed: dict[int, Exception] = {}
+        for item in batch:
+            try:
+                try:
+                    await self._commit([item])
+                except ProcessorFailed as exc:
+                    log.error("%d event(s) stored without their captures: a processor failed on them",
+                              len(item.events), exc_info=exc.__cause__)
+                    await self._commit([item], derive=False)
+            except Exception as exc:  # noqa: BLE001 - reported to this submitter only
+                log.error("could not commit %d event(s); none of them was acknowledged: %s", len(item.events), exc)
+                failed[id(item)] = exc
+        return failed
+
+    async def _commit(self, batch: list[Batch], derive: bool = True) -> None:
         now = time.time()
         events = [e for item in batch for e in item.events]
         async with self.store.atomic() as db:
@@ -328,8 +372,11 @@ class EventWriter:
                     (event.session_id, event.agent, event.project, event.cwd, event.transcript_path, event.ts,
                      event.ts, event.ts if event.kind == "SessionEnd" else None),
                 )
-            for processor in self.processors:
-                await processor(db, stored)
+            for processor in self.processors if derive else ():
+                try:
+                    await processor(db, stored)
+                except Exception as exc:
+                    raise ProcessorFailed(str(exc)) from exc
             for item in batch:
                 if item.also is not None:
                     await item.also(db, item.events)

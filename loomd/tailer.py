@@ -39,7 +39,7 @@ import watchfiles
 
 from .config import Config
 from .errors import BadRequest, Busy, LoomdError, NotFound
-from .ingest import Event, EventWriter, Processor, prompt_dedup, truncate_strings
+from .ingest import Event, EventWriter, Processor, clean_strings, prompt_dedup
 from .redact import redact_value
 from .store import Store
 from .transcript import (
@@ -156,7 +156,7 @@ def to_event(
     }
     if sidechain and meta:
         raw["agent_type"], raw["agent_description"] = meta.get("agentType"), meta.get("description")
-    payload = redact_value(truncate_strings({k: v for k, v in raw.items() if v not in (None, "", False, {}, [])},
+    payload = redact_value(clean_strings({k: v for k, v in raw.items() if v not in (None, "", False, {}, [])},
                                             max_chars))
     assert isinstance(payload, dict)
     if item.kind == "user_message":

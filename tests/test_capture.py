@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import logging
 from typing import Any
 
 import pytest
 
-from loomd.capture import RULES, commit_subject, shell_command
+from loomd.capture import RULES
 from loomd.client import AsyncClient
+from loomd.daemon import Daemon
+from loomd.ingest import Event
+from loomd.workers.steps import commit_subject, shell_command
 
 _ids = itertools.count(1)
 
@@ -64,7 +69,8 @@ async def captured(client: AsyncClient) -> list[dict[str, Any]]:
 
 
 async def test_every_rule_fires_on_its_payload(client: AsyncClient) -> None:
-    await send(client, claude_post('git commit -m "Switch the cache to Redis streams"', "[main 1a2b3c4] Switch"))
+    await send(client, claude_post('git commit -m "Switch the cache to Redis streams"',
+                                    "[main 1a2b3c4] Switch the cache to Redis streams\n 1 file changed"))
     await send(client, claude_post("git checkout -b feature/retry-queue", "Switched to a new branch"))
     await send(client, claude_post("", tool="Edit", tool_input={"file_path": "/tmp/capproj/pyproject.toml",
                                                                 "old_string": "a", "new_string": "b"}))
@@ -119,10 +125,70 @@ async def test_rate_limit_per_session(client: AsyncClient, home) -> None:
 
 
 def test_parsers_on_real_command_shapes() -> None:
-    assert commit_subject('git commit -m "fix: handle empty input"') == "fix: handle empty input"
-    assert commit_subject("git commit -am 'wip'") == "wip"
+    assert commit_subject('git commit -m "fix: handle empty input"', "") == ("", "fix: handle empty input")
+    assert commit_subject("git commit -am 'wip'", "") == ("", "wip")
     assert commit_subject(
-        "git commit -m \"$(cat <<'EOF'\nAdd retry queue\n\nLonger body\nEOF\n)\"") == "Add retry queue"
-    assert commit_subject("git commit") is None
+        "git commit -m \"$(cat <<'EOF'\nAdd retry queue\n\nLonger body\nEOF\n)\"", "") == ("", "Add retry queue")
+    assert commit_subject('git commit -m "$MSG"', "") is None
+    assert commit_subject("git commit", "") is None
+    assert commit_subject('git commit -m "x"', "[main 1a2b3c4d] Real subject\n 1 file changed") == \
+        ("1a2b3c4", "Real subject")
     assert shell_command({"command": ["bash", "-lc", "npm test"]}) == "npm test"
     assert shell_command({"cmd": "cargo test"}) == "cargo test"
+    assert shell_command({"command": 5}) == ""
+
+
+# Any JSON value, where a hook or transcript line carries a tool call: what an agent or a script may send.
+ODD_VALUES: list[Any] = [1, -2.5, True, None, "ls -la", [], [1, "a"], {}, {"command": 5},
+                         {"command": ["bash", "-lc", 3]}, {"command": None, "file_path": {"a": 1}}, {"todos": 7},
+                         {"input": ["*** Update File: x"]}, {"plan": 3, "description": []}]
+
+
+async def test_any_json_shape_of_a_tool_call_is_stored(client: AsyncClient, caplog: pytest.LogCaptureFixture) -> None:
+    """Hook PostToolUse and transcript tool_use/tool_result with odd tool_input and tool_response values: every
+    event is acknowledged and stored, and no error is logged (the capture rules read them as 'no command')."""
+    caplog.set_level(logging.ERROR)
+    before = (await client.call("status"))["counts"]["events"]
+    sent = 0
+    for n, value in enumerate(ODD_VALUES):
+        for tool in ("Bash", "Edit", "apply_patch", "TodoWrite", "mcp__x__y"):
+            body = {"session_id": "odd", "cwd": "/tmp/capproj", "hook_event_name": "PostToolUse", "tool_name": tool,
+                    "tool_input": value, "tool_response": ODD_VALUES[-1 - n], "tool_use_id": f"odd-{n}-{tool}"}
+            await send(client, json.dumps(body).encode())
+            failure = {**body, "hook_event_name": "PostToolUseFailure", "error": value, "tool_use_id": f"f{n}{tool}"}
+            await send(client, json.dumps(failure).encode())
+            line = {"agent": "claude", "session_id": "odd-t", "cwd": "/tmp/capproj", "source": "transcript",
+                    "tool_name": tool, "tool_use_id": f"t-{n}-{tool}", "ts": 1.0 + n}
+            await client.call("ingest", events=[{**line, "kind": "tool_use", "key": f"u{n}{tool}",
+                                                 "payload": {"tool_name": tool, "tool_input": value}},
+                                                {**line, "kind": "tool_result", "key": f"r{n}{tool}",
+                                                 "payload": {"text": str(value), "is_error": value}}])
+            sent += 4
+    assert (await client.call("status"))["counts"]["events"] - before == sent
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("loomd")] == []
+
+
+async def test_a_failing_processor_loses_no_event(daemon: Daemon, client: AsyncClient,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A bug in a processor (here: one that raises on a marked event, added beside the capture rules) must not
+    cost events: the hostile event is stored without its captures, the events committed in the same group commit
+    are stored with theirs, and every submitter gets its ack."""
+    async def broken(_db: Any, events: Any) -> None:
+        if any(isinstance(e, Event) and e.payload.get("tool_use_id") == "poison" for e in events):
+            raise TypeError("argument of type 'int' is not iterable")
+
+    daemon.writer.processors.append(broken)
+    caplog.set_level(logging.WARNING)
+    before = (await client.call("status"))["counts"]["events"]
+    poison = json.loads(claude_post('git commit -m "Poisoned subject"', "[main 9f9f9f9] Poisoned subject"))
+    poison["tool_use_id"] = "poison"
+    raws = [claude_post(f'git commit -m "Change number {i}"', f"[main {i:07x}] Change number {i}") for i in range(20)]
+    raws.insert(7, json.dumps(poison).encode())
+    # Concurrent submitters share group commits; the poisoned one fails its group's first attempt.
+    await asyncio.gather(*(send(client, raw) for raw in raws))
+    assert (await client.call("status"))["counts"]["events"] - before == 21
+    texts = {m["text"] for m in await captured(client)}
+    assert {f"Committed: Change number {i}" for i in range(20)} <= texts
+    assert "Committed: Poisoned subject" not in texts
+    logged = [r.getMessage() for r in caplog.records if r.name == "loomd.ingest"]
+    assert "1 event(s) stored without their captures: a processor failed on them" in logged, logged

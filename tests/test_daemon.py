@@ -8,6 +8,7 @@ import os
 import pwd
 import signal
 import socket
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -271,6 +272,28 @@ async def test_secrets_never_reach_the_database_file(client: AsyncClient, home: 
     blob = b"".join(p.read_bytes() for p in sorted(home.glob("loomd.db*")))  # noqa: ASYNC240 - test-side read
     for text, secret in SECRET_SAMPLES:
         assert secret.encode() not in blob, f"secret from {text!r} reached the database"
+
+
+async def test_lone_surrogates_in_a_hook_are_stored_as_replacement_characters(client: AsyncClient, home: Path) -> None:
+    """"\\ud800" is valid JSON and has no UTF-8 form: found by the fuzz test as an internal error."""
+    odd = "x\ud800y"
+    for i, (event, extra) in enumerate([
+        ("UserPromptSubmit", {"prompt": f"remember {odd} please"}),
+        ("PostToolUse", {"tool_name": odd, "tool_use_id": odd, "tool_input": {odd: odd}, "tool_response": odd}),
+        ("SessionStart", {"source": odd, "cwd": f"/tmp/{odd}"}),
+    ]):
+        reply = await client.call("hook", event=event, eid=f"sur{i}", raw=hook_payload(f"s-{odd}", event, **extra))
+        assert isinstance(reply, dict), reply
+    db = sqlite3.connect(f"file:{home / 'loomd.db'}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT session_id, kind, tool_name, tool_use_id, payload FROM events ORDER BY id").fetchall()
+    finally:
+        db.close()
+    assert [r[:4] for r in rows] == [("s-x\ufffdy", "UserPromptSubmit", None, None),
+                                     ("s-x\ufffdy", "PostToolUse", "x\ufffdy", "x\ufffdy"),
+                                     ("s-x\ufffdy", "SessionStart", None, None)]
+    assert json.loads(rows[0][4])["prompt"] == "remember x\ufffdy please"
+    assert json.loads(rows[1][4])["tool_input"] == {"x\ufffdy": "x\ufffdy"}
 
 
 HOOK_FILES = ("pre_tool_use", "post_tool_use", "user_prompt_submit", "session_start", "session_end", "stop",

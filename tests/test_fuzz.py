@@ -37,7 +37,9 @@ RSS_BUDGET_MB = 50
 
 
 def fuzz_settings(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=False,
+    """`examples` per property; LOOMD_FUZZ_SCALE=10 runs ten times as many (a longer hunt, off CI)."""
+    return settings(max_examples=examples * int(os.environ.get("LOOMD_FUZZ_SCALE", "1")), deadline=None,
+                    database=None, derandomize=False,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large, HealthCheck.large_base_example])
 
@@ -195,8 +197,8 @@ VALUES = st.recursive(LEAVES, lambda kids: st.lists(kids, max_size=5)
                       max_leaves=25)
 
 
-JSON = st.recursive(st.none() | st.booleans() | INTS | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(), lambda kids: st.lists(kids, max_size=6) | st.dictionaries(st.text(), kids, max_size=6),
+SCALARS = st.none() | st.booleans() | INTS | st.floats(allow_nan=False, allow_infinity=False) | st.text()
+JSON = st.recursive(SCALARS, lambda kids: st.lists(kids, max_size=6) | st.dictionaries(st.text(), kids, max_size=6),
                     max_leaves=40)
 
 def ops_strategy() -> st.SearchStrategy[str]:
@@ -323,7 +325,7 @@ EVENTS = st.sampled_from(["PostToolUse", "PreToolUse", "UserPromptSubmit", "Sess
 
 @st.composite
 def hook_payloads(draw: st.DrawFn) -> bytes:
-    kind = draw(st.sampled_from(["json", "object", "huge", "deep", "bytes", "utf8"]))
+    kind = draw(st.sampled_from(["json", "object", "tool", "huge", "deep", "bytes", "utf8"]))
     base: dict[str, Any] = {"session_id": draw(st.text(max_size=12) | st.sampled_from(["fz-1", "fz-2"])),
                             "hook_event_name": draw(EVENTS), "cwd": draw(st.sampled_from(["/tmp", "", "relative"]))}
     if kind == "json":
@@ -333,6 +335,16 @@ def hook_payloads(draw: st.DrawFn) -> bytes:
                                                           "tool_use_id", "transcript_path", "last_assistant_message",
                                                           "type", "thread-id", "source", "agent_transcript_path"]),
                                          JSON, max_size=5)))
+        return json.dumps(base).encode()
+    if kind == "tool":  # a tool call whose fields hold any JSON (CI found `"tool_input": 1` breaking capture)
+        base.update(session_id="fz-tool", hook_event_name=draw(st.sampled_from(["PostToolUse", "PostToolUseFailure",
+                                                                                 "PreToolUse"])),
+                    tool_name=draw(st.sampled_from(["Bash", "Edit", "apply_patch", "TodoWrite", "exec_command", 7])),
+                    tool_use_id=draw(st.text(max_size=4) | INTS),
+                    tool_input=draw(SCALARS | JSON | st.dictionaries(st.sampled_from(["command", "cmd", "file_path",
+                                                                                      "path", "input", "todos"]),
+                                                                      SCALARS | JSON, max_size=3)),
+                    tool_response=draw(SCALARS | JSON), error=draw(SCALARS | JSON))
         return json.dumps(base).encode()
     if kind == "huge":
         n = draw(st.integers(10_000, 3_000_000))
@@ -385,7 +397,9 @@ def test_daemon_alive_and_memory_bounded(target: Target) -> None:
     rss_end = rss_mb(target.proc.pid)
     grown = rss_end - target.rss_start
     log = target.log.read_text()
-    internal = log.count("internal error in a request")
+    # A bug on the ingest path shows as an internal error, or (a processor's) as events stored without captures.
+    internal = sum(log.count(line) for line in ("internal error in a request", "stored without their captures",
+                                                "could not commit"))
     print(f"\nFUZZ daemon RSS {target.rss_start:.1f} MB -> {rss_end:.1f} MB (+{grown:.1f} MB); "
           f"events stored {status['counts']['events']}; internal errors logged {internal}")
     assert internal == 0, log[-3000:]

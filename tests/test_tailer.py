@@ -413,6 +413,29 @@ async def test_appended_lines_are_ingested_once(client: AsyncClient, daemon: Dae
                                    "message_id": "m2", "uuid": "a2"}
 
 
+async def test_lone_surrogates_in_a_transcript_never_stall_it(client: AsyncClient, daemon: Daemon, home: Path,
+                                                              tmp_path: Path) -> None:
+    """JSON may escape half a surrogate pair ("\\ud800"), which has no UTF-8 form: such lines are stored with U+FFFD
+    in its place, in text, ids and keys alike, and the lines after them follow."""
+    sid = "sur-1"
+    path = tmp_path / "proj" / f"{sid}.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(line(c_user(sid, "u1", "half a pair \ud800 here"))
+                     + line(c_assistant(sid, "a1\udc80", "m1\udfff", "answer \udbff", tool="toolu_\ud83d"))
+                     + line(c_result(sid, "r1", "toolu_\ud83d", "out \ud800\ud800"))
+                     + line(c_user(sid, "u2", "after it, an emoji \U0001f600 stays whole")))
+    await hook(client, sid, transcript_path=str(path))
+    await wait_until(caught_up(daemon, path), "every line")
+    assert transcript_counts(home, sid) == {"user_message": 2, "assistant_message": 1, "tool_use": 1,
+                                            "tool_result": 1}
+    texts = [json.loads(p)["text"] for (p,) in query(
+        home, "SELECT payload FROM events WHERE session_id = ? AND source = 'transcript' ORDER BY id", (sid,))]
+    assert texts == ["half a pair \ufffd here", "answer \ufffd", "Bash: ls", "out \ufffd\ufffd",
+                     "after it, an emoji \U0001f600 stays whole"]
+    assert query(home, "SELECT tool_use_id FROM events WHERE session_id = ? AND kind = 'tool_result'", (sid,)) == \
+        [("toolu_\ufffd",)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # (3) hook and transcript copies of one thing merge
 

@@ -17,12 +17,16 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from conftest import need_test_data, serving
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loomd.cli import main as cli_main
 from loomd.client import AsyncClient, Client
 from loomd.daemon import Daemon
 from loomd.store import connect_sync
 from loomd.workers.digest import budgets, render_digest
+from loomd.workers.rules import observe
+from loomd.workers.steps import SourceEvent
 
 PROJECT = "proj-w"
 _n = itertools.count(1)
@@ -177,6 +181,72 @@ async def test_a_failed_chunk_never_moves_the_watermark(monkeypatch, home) -> No
         assert done["outcome"] == "ok" and done["items_in"] == 100
         assert int(await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:big'")) == ids[-1]
         assert any("Never deploy on Fridays" in m["text"] for m in await memories(client, kind="observation"))
+
+
+async def test_one_session_that_fails_never_stalls_the_others(monkeypatch, home) -> None:
+    """A run over every due session: the session whose write faults keeps its watermark and is named in the run's
+    report; the sessions after it are observed all the same."""
+    async with loomd(monkeypatch, home, observe_idle_s=0) as (d, client):
+        await ingest(client, [user("aa-bad", "Never deploy on Fridays, BOOM.", 1_700_000_000)])
+        await ingest(client, work_session("zz-good", 1_700_000_100))
+        async with d.store.atomic() as db:
+            await db.execute("CREATE TRIGGER boom BEFORE INSERT ON memories WHEN new.text LIKE '%BOOM%'"
+                             " BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+        run = await client.call("workers_run", name="observer", final=True)
+        assert run["outcome"] == "ok", run
+        assert run["detail"]["sessions_failed"] == ["aa-bad: IntegrityError: disk says no"], run["detail"]
+        assert await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:aa-bad'") is None
+        assert await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:zz-good'") is not None
+        assert any("tenacity" in m["text"] for m in await memories(client, session_id="zz-good"))
+        async with d.store.atomic() as db:
+            await db.execute("DROP TRIGGER boom")
+        again = await client.call("workers_run", name="observer", final=True)
+        assert again["outcome"] == "ok" and "sessions_failed" not in again["detail"], again
+        assert any("Never deploy on Fridays" in m["text"] for m in await memories(client, session_id="aa-bad"))
+
+
+# Any JSON a hook or a transcript line may carry, with the strings the rules look for among it.
+_SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
+            | st.sampled_from(["User has approved your plan\n# Plan: ship", "[main abc1234] Subject", "pytest -q",
+                               "Exit code 1\nError: boom", "*** Update File: a.py", "5 passed in 0.1s",
+                               "git commit -m 'x'", "gh pr create", "https://github.com/a/b/pull/1", '"Q?"="A"']))
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["status", "content", "step", "text", "type", "stdout", "exit_code"]), inner, max_size=3),
+    max_leaves=6)
+_INPUT = st.dictionaries(st.sampled_from(["todos", "plan", "description", "input", "file_path", "path", "command",
+                                          "cmd", "notebook_path"]), _JSON, max_size=4) | _JSON
+_TOOLS = st.sampled_from(["Bash", "Edit", "Write", "apply_patch", "TodoWrite", "update_plan", "ExitPlanMode",
+                          "AskUserQuestion", "mcp__srv__call", "exec_command", "Task"])
+
+
+@st.composite
+def _hostile_turn(draw: st.DrawFn) -> list[SourceEvent]:
+    """A turn of odd but well-formed rows: a prompt, tool runs by hook or by transcript pair, a reply, a stop."""
+    rows: list[tuple[str, str | None, str | None, dict[str, Any]]] = [("UserPromptSubmit", None, None,
+                                                                       {"prompt": draw(_JSON)})]
+    for n in range(draw(st.integers(1, 4))):
+        tool, tool_input, response = draw(_TOOLS), draw(_INPUT), draw(_JSON)
+        how = draw(st.sampled_from(["PostToolUse", "PostToolUseFailure", "transcript"]))
+        if how == "transcript":
+            rows.append(("tool_use", tool, f"t{n}", {"tool_name": tool, "tool_input": tool_input}))
+            rows.append(("tool_result", None, f"t{n}", {"text": response, "is_error": draw(_JSON)}))
+        else:
+            rows.append((how, tool, f"t{n}", {"tool_name": tool, "tool_input": tool_input,
+                                              "tool_response" if how == "PostToolUse" else "error": response}))
+    rows.append(("assistant_message", None, None, {"text": draw(_JSON)}))
+    rows.append((draw(st.sampled_from(["Stop", "SubagentStop"])), None, None,
+                 {"last_assistant_message": draw(_JSON), "agent_id": draw(st.none() | _SCALARS)}))
+    return [SourceEvent(i, "s", kind, float(i), "claude", PROJECT, tool, use, payload)
+            for i, (kind, tool, use, payload) in enumerate(rows, 1)]
+
+
+@settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(turn=_hostile_turn(), final=st.booleans())
+def test_the_rule_observer_reads_any_json_without_raising(turn: list[SourceEvent], final: bool) -> None:
+    """The stored payload of an event is whatever was sent: a number where a list is expected must not stop the
+    observer (found: `TodoWrite` with `"todos": 7`)."""
+    for observation in observe(turn, final=final):
+        assert observation.text.strip() and len(observation.text) <= 400 and observation.sources
 
 
 async def test_cancelled_run_keeps_nothing_and_reruns_to_the_same_result(monkeypatch, home) -> None:

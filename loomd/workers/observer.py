@@ -40,6 +40,9 @@ def watermark_name(session_id: str) -> str:
 class Observer:
     name = "observer"
 
+    def __init__(self) -> None:
+        self.failed: set[str] = set()  # sessions whose observation raised (their traceback is logged once)
+
     async def due_sessions(self, ctx: WorkerContext, woken: frozenset[str]) -> list[str]:
         cfg = ctx.config()
         idle_before = time.time() - cfg.observe_idle_s
@@ -63,7 +66,19 @@ class Observer:
         sessions = [req.session_id] if req.session_id else await self.due_sessions(ctx, req.keys)
         model = self._model(ctx, report)
         for session_id in sessions:
-            await self.observe_session(ctx, session_id, req, report, model)
+            if req.session_id:
+                await self.observe_session(ctx, session_id, req, report, model)
+                continue
+            try:
+                await self.observe_session(ctx, session_id, req, report, model)
+            except WatermarkMoved:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one session's bad event must not stall every other session
+                # Its watermark stays, so a fixed daemon observes it later; the traceback once per daemon run.
+                log.error("observer: session %s skipped: %s: %s", session_id, type(exc).__name__, exc,
+                          exc_info=session_id not in self.failed)
+                self.failed.add(session_id)
+                report.note("sessions_failed", f"{session_id}: {type(exc).__name__}: {exc}"[:300])
 
     def _model(self, ctx: WorkerContext, report: RunReport) -> ModelDistiller | None:
         cfg = ctx.config()

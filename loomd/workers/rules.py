@@ -268,7 +268,7 @@ class RuleObserver:
         if tool in ("TodoWrite", "update_plan"):
             items = step.tool_input.get("todos") or step.tool_input.get("plan") or []
             parsed = [(str(i.get("status", "")), str(i.get("content") or i.get("step") or ""))
-                      for i in items if isinstance(i, dict)]
+                      for i in (items if isinstance(items, list) else []) if isinstance(i, dict)]
             lane.todos = (step, [(s, t) for s, t in parsed if t])
             return
         patch = str(step.tool_input.get("input", "")) + step.command

@@ -98,7 +98,8 @@ _REJECTED = re.compile(r"The user doesn't want to (?:proceed with this tool use|
                        r"\[Request interrupted by user|tool use was rejected", re.IGNORECASE)
 
 
-def _response_text(response: Any) -> tuple[str, bool]:
+def response_text(response: Any) -> tuple[str, bool]:
+    """The readable output of a tool call (hook `tool_response` of any shape), and whether it says it failed."""
     if isinstance(response, str):
         return response, False
     if isinstance(response, dict):
@@ -142,7 +143,7 @@ def to_steps(events: Sequence[SourceEvent]) -> list[Step]:
                 ids = [use.id, ev.id]
             else:
                 tool, tool_input = ev.tool_name or str(p.get("tool_name") or ""), p.get("tool_input") or {}
-                output, flagged = _response_text(p.get("tool_response") or p.get("error"))
+                output, flagged = response_text(p.get("tool_response") or p.get("error"))
                 flagged = flagged or kind == "PostToolUseFailure"
                 ids = [ev.id]
             tool_input = tool_input if isinstance(tool_input, dict) else {}
@@ -258,16 +259,22 @@ def first_error_line(output: str) -> str:
 
 
 def commit_subject(command: str, output: str) -> tuple[str, str] | None:
-    """(sha, subject) of a `git commit` that succeeded, read from git's own `[branch sha] subject` line."""
+    """(sha, subject) of a `git commit`, from git's own `[branch sha] subject` line, else from the command's message
+    (`-m "…"`, `-am '…'`, or a heredoc `-m "$(cat <<'EOF' … EOF)"`); sha is "" when only the command said it."""
     if not re.search(r"\bgit\b(?:\s+-\S+(?:\s+\S+)?)*\s+commit\b", command):
         return None
     match = _COMMIT_RESULT.search(output)
     if match:
         return match.group(2)[:7], match.group(3).strip()
-    subject = re.search(r"""\s-[a-zA-Z]*m\s+(?:"([^"$][^"]*)"|'([^']*)')""", command)
-    if subject:
-        return "", (subject.group(1) or subject.group(2)).strip().splitlines()[0]
-    return None
+    subject = ""
+    message = re.search(r"""(?:\s-[a-zA-Z]*m|--message)(?:=|\s+)(?:"((?:[^"\\]|\\.)*)"|'([^']*)'|(\S+))""", command)
+    if message:
+        subject = next(g for g in message.groups() if g is not None)
+    if not message or subject.startswith("$"):  # `-m "$(cat <<EOF …"`; a bare `"$MSG"` says nothing
+        heredoc = re.search(r"<<'?(\w+)'?\s*\n(.*?)\n\s*\1", command, re.DOTALL)
+        subject = heredoc.group(2) if heredoc else ""
+    subject = subject.replace("\\n", "\n").strip()
+    return ("", subject.splitlines()[0].strip()) if subject else None
 
 
 def test_summary(output: str) -> str:
