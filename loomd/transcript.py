@@ -244,7 +244,7 @@ def _line_key(prefix: str, obj: dict[str, Any], text: str) -> str:
     uuid = obj.get("uuid")
     if isinstance(uuid, str) and uuid:
         return f"{prefix}:{uuid}"
-    sid = obj.get("sessionId") if isinstance(obj.get("sessionId"), str) else ""
+    sid = _str_or_none(obj.get("sessionId")) or ""
     return f"{prefix}:h:{_digest(sid, str(obj.get('timestamp', '')), text, n=20)}"
 
 
@@ -318,7 +318,7 @@ def _claude_assistant(obj: dict[str, Any], base: dict[str, Any], max_chars: int)
                     )
                 )
         elif btype in ("tool_use", "server_tool_use"):
-            name = block.get("name") if isinstance(block.get("name"), str) else "?"
+            name = _str_or_none(block.get("name")) or "?"
             raw_input = block.get("input")
             tool_input = raw_input if isinstance(raw_input, dict) else {}
             tid = _str_or_none(block.get("id"))
@@ -421,7 +421,7 @@ def _codex_message(
 def _codex_tool_use(payload: dict[str, Any], base: dict[str, Any], max_chars: int) -> TranscriptItem:
     ptype = payload.get("type")
     call_id = _str_or_none(payload.get("call_id")) or _str_or_none(payload.get("id"))
-    name = payload.get("name") if isinstance(payload.get("name"), str) else "?"
+    name = _str_or_none(payload.get("name")) or "?"
     tool_input: dict[str, Any]
     if ptype == "function_call":
         args = payload.get("arguments")
