@@ -9,7 +9,7 @@ import binascii
 import math
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -36,20 +36,35 @@ class _Rule:
     # When `replace` keeps a match, scanning resumes at the end of this group instead of the match, so a
     # kept `name = value` cannot swallow a real assignment inside its value.
     resume: str | None = None
+    # Where a match can start, in ascending order, when that is cheaper to find than the pattern's own scan:
+    # the pattern is then tried (`match`) at those places only, with the same result as `search`.
+    starts: Callable[[str], Iterator[int]] | None = None
+
+    def _matches(self, text: str, at: list[int]) -> Iterator[re.Match[str]]:
+        """Successive matches from `at[0]`, which the caller moves on as `search` would."""
+        if self.starts is None:
+            while (m := self.pattern.search(text, at[0])) is not None:
+                yield m
+            return
+        for start in self.starts(text):
+            if start >= at[0] and (m := self.pattern.match(text, start)) is not None:
+                yield m
 
     def apply(self, text: str) -> str:
         out: list[str] = []
-        last = pos = 0
-        while (m := self.pattern.search(text, pos)) is not None:
+        last = 0
+        at = [0]
+        for m in self._matches(text, at):
+            pos = at[0]
             new = self.replace(m)
             if new == m.group(0):
                 pos = m.end(self.resume) if self.resume else m.end()
-                pos = max(pos, m.start() + 1)
+                at[0] = max(pos, m.start() + 1)
                 continue
             out.append(text[last : m.start()])
             out.append(new)
             last = m.end()
-            pos = max(last, m.start() + 1)
+            at[0] = max(last, m.start() + 1)
         if not out:
             return text
         out.append(text[last:])
@@ -237,6 +252,27 @@ _ASSIGN_RE = re.compile(
     """,
     re.VERBOSE,
 )
+_ASSIGN_WORD_RE = re.compile(r"(?i:pass|pwd|secret|token|key|auth|cred|sig)")
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+
+
+def _assignment_starts(text: str) -> Iterator[int]:
+    """Where _ASSIGN_RE can match: the start of a name run (its first look-behind) that holds one of the words of
+    its look-ahead within 64 characters. Found from the words, so a long text without them is not scanned
+    position by position with a 64-character look-ahead (that scan was most of a large payload's redaction)."""
+    previous = -1
+    for word in _ASSIGN_WORD_RE.finditer(text):
+        start = word.start()
+        floor = max(0, start - 65)
+        while start > floor and text[start - 1] in _NAME_CHARS:
+            start -= 1
+        if start > 0 and text[start - 1] in _NAME_CHARS:
+            continue  # the run starts more than 64 characters before the word: the look-ahead cannot reach it
+        if start != previous:
+            previous = start
+            yield start
+
+
 _PLACEHOLDER_RE = re.compile(
     r"\s*|\$\{?[A-Za-z_][A-Za-z0-9_]*\}?|\$\{\{.*\}\}|\{\{.*\}\}|\$\(.*\)|<[^<>]*>|%\([A-Za-z_]\w*\)s|\*+"
     r"|\{[A-Za-z_]\w*\}|(?i:your[\s_-].*)|.*(?:\.\.\.|…|(?i:xxxx)).*"
@@ -653,7 +689,8 @@ def _build_rules() -> tuple[_Rule, ...]:
         _Rule(_AUTH_TUPLE_RE, ("auth",), _value_replacer("env_secret")),
         _Rule(_XML_KEY_VALUE_RE, ("value",), _replace_xml_key_value),
         _Rule(
-            _ASSIGN_RE, ("pass", "pwd", "secret", "token", "key", "auth", "cred", "sig"), _replace_assignment, "name"
+            _ASSIGN_RE, ("pass", "pwd", "secret", "token", "key", "auth", "cred", "sig"), _replace_assignment, "name",
+            _assignment_starts,
         ),
         _Rule(_GENERIC_RE, ("",), _replace_generic),
     ]
@@ -667,6 +704,27 @@ def redact_text(text: str) -> str:
     """Replace every secret with `[REDACTED:<kind>]` and every <private> span with `[private]`."""
     if not text:
         return text
+    # Short strings repeat from event to event (payload keys, paths, event names, tool names); the 29 trigger
+    # checks on each cost more than the one long string of a payload. Those found clean are remembered: only
+    # text without a secret is kept, so the cache never holds one.
+    if len(text) > SHORT_TEXT:
+        return _redact(text)
+    if text in _clean_short:
+        return text
+    out = _redact(text)
+    if out == text:
+        if len(_clean_short) >= MAX_CLEAN_SHORT:
+            _clean_short.clear()  # atomic under the GIL (the tailer redacts on a worker thread too)
+        _clean_short[text] = None
+    return out
+
+
+SHORT_TEXT = 256
+MAX_CLEAN_SHORT = 8192
+_clean_short: dict[str, None] = {}
+
+
+def _redact(text: str) -> str:
     low = text.lower()
     if "private" in low:
         if "<" in text:

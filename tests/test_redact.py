@@ -1,10 +1,14 @@
 import base64
 import copy
+import dataclasses
 import json
 import random
 import string
 
 import pytest
+from conftest import need_test_data
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from secret_corpus import (
     ANTHROPIC,
     AWS_ID,
@@ -25,6 +29,7 @@ from secret_corpus import (
     URL_PASS,
 )
 
+from loomd import redact
 from loomd.redact import redact_text, redact_value
 
 
@@ -343,3 +348,58 @@ PATHOLOGICAL_SEEDS = [
 def test_pathological_inputs_finish(text: str) -> None:
     # No timing assertion: a catastrophic pattern would hang and trip the suite's timeout.
     assert isinstance(redact_text(text), str)
+
+
+# --- the assignment rule's fast path ----------------------------------------------------------------------------
+# It tries its pattern only where a name run holding a secret word starts; this must find exactly what the
+# pattern's own scan finds (the same rule without `starts` is the reference).
+
+_ASSIGN_PIECES = st.sampled_from([
+    "password", "PASSWD", "pwd", "api_key", "Secret", "tokenizer", "auth", "creds", "signature", "KEY", "\u212aey",
+    "x" * 70, "a.b-c", "::", "[REDACTED:", " ", "\t", "\n", "=", " = ", ": ", ":=", "=>", "==", '"', "'", "\\\"",
+    "hunter2", "s3cr3t-Val_ue", "b'", "f\"", "]", ",", "(", "os.environ", "-", "_", ".", "é", "0123456789abcdef",
+])
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces=st.lists(_ASSIGN_PIECES | st.text(max_size=6), max_size=30))
+def test_assignment_fast_path_finds_what_the_full_scan_finds(pieces: list[str]) -> None:
+    rule = next(r for r in redact._RULES if r.pattern is redact._ASSIGN_RE)
+    assert rule.starts is not None
+    reference = dataclasses.replace(rule, starts=None)
+    text = "".join(pieces)
+    assert rule.apply(text) == reference.apply(text)
+
+
+def test_assignment_fast_path_on_real_payloads() -> None:
+    """Every string of every real hook payload: the same result either way."""
+    rule = next(r for r in redact._RULES if r.pattern is redact._ASSIGN_RE)
+    reference = dataclasses.replace(rule, starts=None)
+    root = need_test_data("transcripts")
+    seen = 0
+
+    def strings(value: object) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, dict):
+            return [s for k, v in value.items() for s in (*strings(k), *strings(v))]
+        if isinstance(value, list):
+            return [s for v in value for s in strings(v)]
+        return []
+
+    for path in sorted(root.rglob("*.json")):
+        data = json.loads(path.read_text())
+        for text in strings(data):
+            seen += 1
+            assert rule.apply(text) == reference.apply(text), text[:200]
+    assert seen > 1000
+
+
+def test_short_clean_strings_are_remembered_and_secrets_never() -> None:
+    """The cache of short strings found clean: the same answers as without it, and no secret kept in it."""
+    for text, secret in SECRET_SAMPLES:
+        if len(text) <= redact.SHORT_TEXT:
+            first, second = redact_text(text), redact_text(text)
+            assert first == second and secret not in first
+            assert text not in redact._clean_short
+    assert redact_text("hook_event_name") == "hook_event_name" and "hook_event_name" in redact._clean_short
