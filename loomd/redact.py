@@ -55,7 +55,6 @@ class _Rule:
         last = 0
         at = [0]
         for m in self._matches(text, at):
-            pos = at[0]
             new = self.replace(m)
             if new == m.group(0):
                 pos = m.end(self.resume) if self.resume else m.end()
