@@ -145,7 +145,8 @@ class Planner:
 
     async def _search_later(self, session_id: str, project: str, prompt: str) -> list[Line]:
         await asyncio.sleep(0)  # the hook's reply goes out first: the agent is waiting for it
-        return await asyncio.wait_for(self._hybrid_lines(session_id, project, prompt), FOLLOW_UP_TIMEOUT_S)
+        return await asyncio.wait_for(self._recall_lines(session_id, project, prompt, keyword_only=False),
+                                    FOLLOW_UP_TIMEOUT_S)
 
     async def close(self) -> None:
         """Stop the follow-ups; let the injected marks commit."""
@@ -231,9 +232,8 @@ class Planner:
             return "", []
         cfg = self.config()
         deferred = not inline and self.semantic()
-        found = self._keyword_lines(session_id, project, prompt) if deferred else \
-            self._hybrid_lines(session_id, project, prompt)
-        seen, lines = await asyncio.gather(self._injected(session_id), found)
+        seen, lines = await asyncio.gather(self._injected(session_id),
+                                           self._recall_lines(session_id, project, prompt, keyword_only=deferred))
         if deferred:  # started after the keyword recall, whose reads it would otherwise queue behind
             self._follow_up(session_id, project, prompt)
         text, ids = render_recall_block([line for line in lines if line.id not in seen], cfg.prompt_block_chars,
@@ -241,21 +241,17 @@ class Planner:
         self._mark_later(session_id, ids, written)
         return text, ids
 
-    async def _hybrid_lines(self, session_id: str, project: str, prompt: str) -> list[Line]:
-        hits = await self.search(query=prompt[:2000], limit=12, project=project, explain=True)
-        min_score = self.config().prompt_min_score
-        return [_recall_line(h) for h in hits if _foreign(h, session_id)
-                and relevant(h, min_score, prompt)]
-
-    async def _keyword_lines(self, session_id: str, project: str, prompt: str) -> list[Line]:
-        # Full text with recency and recurrence: nothing to embed, and no graph walk (at 10k memories it costs more
-        # than the full-text search; whether a top hit names one of the prompt's entities is checked on the hit).
-        # A tighter keyword budget than search's: the commonest words stop ranking sooner (coverage still counts
-        # them), which keeps this at ~3 ms with 100k memories.
+    async def _recall_lines(self, session_id: str, project: str, prompt: str, keyword_only: bool) -> list[Line]:
+        """The prompt's relevant hits from other sessions: hybrid search, or (`keyword_only`) full text with recency
+        and recurrence — nothing to embed, and no graph walk (at 10k memories it costs more than the full-text
+        search; whether a top hit names one of the prompt's entities is checked on the hit). The keyword budget is
+        tighter than search's: the commonest words stop ranking sooner (coverage still counts them), which keeps
+        this at ~3 ms with 100k memories."""
+        keyword = {"weights": {"vec": 0, "graph": 0}, "tuning": {"fts_budget": PROMPT_FTS_BUDGET}}
         hits = await self.search(query=prompt[:2000], limit=12, project=project, explain=True,
-                                 weights={"vec": 0, "graph": 0}, tuning={"fts_budget": PROMPT_FTS_BUDGET})
-        return [_recall_line(h) for h in hits if _foreign(h, session_id) and relevant(h, 1.0, prompt)]
-
+                                 **(keyword if keyword_only else {}))
+        min_score = self.config().prompt_min_score  # only a hit with a cosine is measured against it
+        return [_recall_line(h) for h in hits if _foreign(h, session_id) and relevant(h, min_score, prompt)]
 
 async def _durable(written: Awaitable[Any] | None) -> None:
     """Wait for the event's own write, shielded: a context deadline must never cancel an event's write."""

@@ -40,30 +40,30 @@ class _Rule:
     # the pattern is then tried (`match`) at those places only, with the same result as `search`.
     starts: Callable[[str], Iterator[int]] | None = None
 
-    def _matches(self, text: str, at: list[int]) -> Iterator[re.Match[str]]:
-        """Successive matches from `at[0]`, which the caller moves on as `search` would."""
-        if self.starts is None:
-            while (m := self.pattern.search(text, at[0])) is not None:
-                yield m
-            return
-        for start in self.starts(text):
-            if start >= at[0] and (m := self.pattern.match(text, start)) is not None:
-                yield m
+    def _search(self, text: str, pos: int, starts: Iterator[int] | None) -> re.Match[str] | None:
+        """The first match at or after `pos`: the pattern's own scan, or its tries at the next `starts` (ascending,
+        and `pos` only grows, so a start passed over is never wanted again)."""
+        if starts is None:
+            return self.pattern.search(text, pos)
+        for start in starts:
+            if start >= pos and (m := self.pattern.match(text, start)) is not None:
+                return m
+        return None
 
     def apply(self, text: str) -> str:
         out: list[str] = []
-        last = 0
-        at = [0]
-        for m in self._matches(text, at):
+        last = pos = 0
+        starts = self.starts(text) if self.starts is not None else None
+        while (m := self._search(text, pos, starts)) is not None:
             new = self.replace(m)
             if new == m.group(0):
                 pos = m.end(self.resume) if self.resume else m.end()
-                at[0] = max(pos, m.start() + 1)
+                pos = max(pos, m.start() + 1)
                 continue
             out.append(text[last : m.start()])
             out.append(new)
             last = m.end()
-            at[0] = max(last, m.start() + 1)
+            pos = max(last, m.start() + 1)
         if not out:
             return text
         out.append(text[last:])

@@ -51,6 +51,7 @@ def release_memory() -> None:
     if _malloc_trim is not None:
         _malloc_trim(0)
 
+
 EMBED_NICENESS = 10
 
 
@@ -294,7 +295,8 @@ class VectorService:
 
         The index ranks by the filters it knows; then, best first, chunks of its ranking are re-ranked with the
         float vectors from SQLite, which also checks what the index cannot know (archived): exact cosines, and
-        the filters hold even when the index lags a write. All of it on the query thread.
+        the filters hold even when the index lags a write. The embedding and the ranking run on the query thread,
+        the SQL on the vector reader's.
         """
         reader = self._vec_reader
         if not self.searchable() or self.index is None or reader is None:
@@ -310,22 +312,19 @@ class VectorService:
         rows: list[Any] = []
         for start in range(0, len(ranked), step):
             chunk = ranked[start : start + step]
-            async with reader.execute(sql + " AND v.memory_id IN (SELECT value FROM json_each(?))",
-                                      [self.index.model, *params, json.dumps(chunk)]) as cur:
-                rows += await cur.fetchall()
+            rows += await reader.execute_fetchall(sql + " AND v.memory_id IN (SELECT value FROM json_each(?))",
+                                                  [self.index.model, *params, json.dumps(chunk)])
             if len(rows) >= k:
                 break
         if len(rows) < k and eligible > len(ranked):
             # Archived memories took too many of the candidates: search what passes the filters exactly.
-            async with reader.execute(sql + " LIMIT ?", [self.index.model, *params, EXACT_LIMIT]) as cur:
-                rows = list(await cur.fetchall())
+            rows = list(await reader.execute_fetchall(sql + " LIMIT ?", [self.index.model, *params, EXACT_LIMIT]))
+        nearest: list[tuple[int, float]] = []
+        if rows:
+            cosines = as_matrix([r[1] for r in rows], self.index.dim) @ vector
+            found = np.array([r[0] for r in rows], dtype=np.int64)
+            nearest = [(int(found[i]), float(cosines[i])) for i in np.lexsort((found, -cosines))[:k]]
         if timings is not None:
             timings["embed_ms"] = round(embed_ms, 3)
-        if not rows:
-            return []
-        cosines = as_matrix([r[1] for r in rows], self.index.dim) @ vector
-        found = np.array([r[0] for r in rows], dtype=np.int64)
-        order = np.lexsort((found, -cosines))[:k]
-        if timings is not None:
             timings["vec_ms"] = round((time.perf_counter() - started) * 1000, 3)
-        return [(int(found[i]), float(cosines[i])) for i in order]
+        return nearest

@@ -66,14 +66,13 @@ class Observer:
         sessions = [req.session_id] if req.session_id else await self.due_sessions(ctx, req.keys)
         model = self._model(ctx, report)
         for session_id in sessions:
-            if req.session_id:
-                await self.observe_session(ctx, session_id, req, report, model)
-                continue
             try:
                 await self.observe_session(ctx, session_id, req, report, model)
             except WatermarkMoved:
                 raise
             except Exception as exc:  # noqa: BLE001 - one session's bad event must not stall every other session
+                if req.session_id:
+                    raise  # the one session asked for: its run fails loudly
                 # Its watermark stays, so a fixed daemon observes it later; the traceback once per daemon run.
                 log.error("observer: session %s skipped: %s: %s", session_id, type(exc).__name__, exc,
                           exc_info=session_id not in self.failed)
