@@ -112,7 +112,7 @@ def fresh_session(payload: bytes, n: int) -> bytes:
 def installed_commands(python: str, root: Path) -> tuple[dict[str, str], list[str], dict[str, str]]:
     """`loom install claude --settings-only` into a scratch HOME (no client CLI on PATH) and LOOMD_HOME under
     `root`: the plugin-mode hook commands it rendered, the Codex notify argv, and the env the agent runs them with."""
-    from loomd.install import plan
+    from loomd.installer.agents import plan
 
     env = {"HOME": str(root / "user"), "LOOMD_HOME": str(root), "PATH": str(root / "nobin")}
     (root / "user").mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ def installed_commands(python: str, root: Path) -> tuple[dict[str, str], list[st
 
 def plain_commands(python: str, root: Path) -> dict[str, str]:
     """The checked-in plugin's commands, with this interpreter pinned in `<LOOMD_HOME>/hook-python`."""
-    from loomd.plugin import PINNED_PYTHON
+    from loomd.installer.plugin import PINNED_PYTHON
 
     (root / PINNED_PYTHON).write_text(python + "\n")
     hooks = json.loads((REPO / "plugin" / "hooks" / "hooks.json").read_text())["hooks"]

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from loomd.client import Client  # noqa: E402
-from loomd.store import connect_sync  # noqa: E402
+from loomd.store.db import connect_sync  # noqa: E402
 
 
 def shim_module() -> ModuleType:

@@ -324,8 +324,8 @@ def main() -> int:
 
 def _versions() -> dict[str, str]:
     from loomd import __version__
-    from loomd.embed import LOCAL_NAME, MODEL_PACKAGE, MODEL_PACKAGE_VERSION
-    from loomd.store import connect_sync
+    from loomd.store.db import connect_sync
+    from loomd.vectors.embed import LOCAL_NAME, MODEL_PACKAGE, MODEL_PACKAGE_VERSION
 
     conn = connect_sync(":memory:")
     sqlite, vec = conn.execute("SELECT sqlite_version(), vec_version()").fetchone()

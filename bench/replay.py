@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if not DATA.is_dir():
         sys.stderr.write(f"no test data at {DATA} (set LOOMD_TEST_DATA)\n")
         return 2
-    from loomd.transcript import detect_format
+    from loomd.ingest.transcript import detect_format
 
     candidates = sorted(p for p in DATA.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl")
                         and args.only in str(p))

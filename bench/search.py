@@ -10,8 +10,10 @@ next run. Each level is measured on a fresh `python -m loomd serve` with the def
 Measured per level, interleaved round-robin over the same questions (LoCoMo questions and real user prompts):
 `search` hybrid (limit 10, the default), keyword (the FTS-only baseline in the same run), semantic; `context`
 kind prompt (the per-prompt recall the hook asks for) and kind start (a fresh session's block); `ping` (the
-socket floor). Client wall time p50/p99; the daemon's own breakdown (query embedding apart) from `explain`
-timings. Ingest ack latency is measured while the first back-fill of the level runs and again idle.
+socket floor). Client wall time p50/p99; the daemon's own breakdown of hybrid and semantic searches from their
+`explain` timings: `embed_ms` (the query embedding), `vec_rank_ms` (the in-memory index: Hamming prefilter, int8
+re-rank), `vec_rerank_ms` (sqlite-vec's exact re-rank in SQL), `vec_ms` (the whole vector signal). Ingest ack
+latency is measured while the first back-fill of the level runs and again idle.
 
 Prints one JSON object on stdout; a markdown table goes to stderr.
 
@@ -41,10 +43,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from locomo import DEFAULT_DATA, Daemon, load  # noqa: E402
 
-from loomd.derived import write_derived  # noqa: E402
-from loomd.memories import insert_memory  # noqa: E402
-from loomd.store import Store  # noqa: E402
-from loomd.transcript import parse_file  # noqa: E402
+from loomd.ingest.transcript import parse_file  # noqa: E402
+from loomd.store.db import Store  # noqa: E402
+from loomd.store.derived import write_derived  # noqa: E402
+from loomd.store.memories import insert_memory  # noqa: E402
 
 TRANSCRIPTS = REPO.parent / "shared" / "data" / "transcripts"
 PROJECT = "bench:search"
@@ -176,12 +178,14 @@ def measure(db: Path, queries: list[str], n: int, rng: random.Random) -> dict[st
         ops: dict[str, list[float]] = {k: [] for k in (
             "ping", "search hybrid", "search keyword", "search semantic", "context prompt", "context start")}
         daemon_ms: dict[str, list[float]] = {}
+        semantic_ms: dict[str, list[float]] = {}
         for i, q in enumerate(picked):
             calls = [
                 ("ping", "ping", {}),
                 ("search hybrid", "search", {"query": q, "project": PROJECT, "explain": True}),
                 ("search keyword", "search", {"query": q, "project": PROJECT, "mode": "keyword"}),
-                ("search semantic", "search", {"query": q, "project": PROJECT, "mode": "semantic"}),
+                ("search semantic", "search", {"query": q, "project": PROJECT, "mode": "semantic",
+                                                "explain": True}),
                 ("context prompt", "context", {"kind": "prompt", "session_id": f"bench-{i % 20}", "prompt": q,
                                                "project": PROJECT}),
                 ("context start", "context", {"kind": "start", "session_id": f"start-{i}", "project": PROJECT}),
@@ -191,9 +195,9 @@ def measure(db: Path, queries: list[str], n: int, rng: random.Random) -> dict[st
                 t = time.perf_counter()
                 reply = d.client.call(op, args)
                 ops[name].append((time.perf_counter() - t) * 1000)
-                if name == "search hybrid":
+                if name in ("search hybrid", "search semantic"):
                     for stage, ms in reply["timings"].items():
-                        daemon_ms.setdefault(stage, []).append(ms)
+                        (daemon_ms if name == "search hybrid" else semantic_ms).setdefault(stage, []).append(ms)
         # The 1-bit prefilter is approximate: how much of the exact vector top 10 / top 100 it keeps.
         overlap: dict[int, list[float]] = {10: [], 100: []}
         for q in picked[:30]:
@@ -206,6 +210,7 @@ def measure(db: Path, queries: list[str], n: int, rng: random.Random) -> dict[st
         out["knn_recall_vs_exact"] = {f"@{k}": round(statistics.fmean(v), 4) for k, v in overlap.items() if v}
         out["client_ms"] = {k: percentiles(v) for k, v in ops.items()}
         out["daemon_hybrid_ms"] = {k: percentiles(v) for k, v in daemon_ms.items()}
+        out["daemon_semantic_ms"] = {k: percentiles(v) for k, v in semantic_ms.items()}
         p50 = out["client_ms"]["search keyword"]["p50"]
         out["ratio_hybrid_to_keyword_p50"] = round(out["client_ms"]["search hybrid"]["p50"] / p50, 2)
     finally:
@@ -215,7 +220,7 @@ def measure(db: Path, queries: list[str], n: int, rng: random.Random) -> dict[st
 
 def embed_floor(queries: list[str], n: int) -> dict[str, Any]:
     """The query embedding alone, in this process, one thread: what every semantic search pays."""
-    from loomd.embed import LocalEmbedder
+    from loomd.vectors.embed import LocalEmbedder
 
     model = LocalEmbedder(threads=1)
     model.embed(["warm up"])
@@ -262,12 +267,16 @@ def main() -> int:
 
 def table(out: dict[str, Any]) -> str:
     names = ["search hybrid", "search keyword", "search semantic", "context prompt", "context start", "ping"]
-    lines = ["| memories | " + " | ".join(f"{n} p50 / p99" for n in names) + " | hybrid: embed p50 / p99 |",
-             "|---|" + "---|" * (len(names) + 1)]
+    stages = ["embed_ms", "vec_rank_ms", "vec_rerank_ms", "vec_ms"]
+    lines = ["| memories | " + " | ".join(f"{n} p50 / p99" for n in names)
+             + " | " + " | ".join(f"hybrid: {s} p50 / p99" for s in stages) + " |",
+             "|---|" + "---|" * (len(names) + len(stages))]
     for level, res in out["levels"].items():
         cells = [f"{res['client_ms'][n]['p50']} / {res['client_ms'][n]['p99']}" for n in names]
-        embed = res["daemon_hybrid_ms"].get("embed_ms", {"p50": "-", "p99": "-"})
-        lines.append(f"| {int(level):,} | " + " | ".join(cells) + f" | {embed['p50']} / {embed['p99']} |")
+        for stage in stages:
+            ms = res["daemon_hybrid_ms"].get(stage, {"p50": "-", "p99": "-"})
+            cells.append(f"{ms['p50']} / {ms['p99']}")
+        lines.append(f"| {int(level):,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from loomd.client import Client  # noqa: E402
-from loomd.transcript import TranscriptItem, detect_format, parse_file  # noqa: E402
+from loomd.ingest.transcript import TranscriptItem, detect_format, parse_file  # noqa: E402
 
 ID = re.compile(r" #(\d+)$", re.MULTILINE)  # the id closing each line, not a "#12" inside memory text
 

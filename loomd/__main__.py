@@ -2,6 +2,6 @@
 
 import sys
 
-from .daemon import main
+from loomd.daemon import main
 
 sys.exit(main())

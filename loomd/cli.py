@@ -11,9 +11,9 @@ from typing import Any
 
 import click
 
-from .client import Client
-from .config import load_config
-from .errors import LoomdError
+from loomd.client import Client
+from loomd.config import load_config
+from loomd.errors import LoomdError
 
 
 def _emit(data: Any, as_json: bool, human: Callable[[Any], str]) -> None:
@@ -237,7 +237,7 @@ def config(local: bool, as_json: bool) -> None:
 @json_option
 def doctor(as_json: bool) -> None:
     """Check everything a user could get wrong; exit non-zero on any FAIL."""
-    from .doctor import run_checks
+    from loomd.installer.doctor import run_checks
 
     findings = run_checks()
     _emit([f.__dict__ for f in findings], as_json,
@@ -250,7 +250,7 @@ def doctor(as_json: bool) -> None:
 @main.command("mcp")
 def mcp_server() -> None:
     """Serve the loom tools over MCP on stdin/stdout (agents start this; `python -m loomd.mcp` is the same)."""
-    from .mcp import main as serve
+    from loomd.mcp import main as serve
 
     sys.exit(serve([]))
 
@@ -331,13 +331,13 @@ def task_list(state: str | None, all_projects: bool, as_json: bool) -> None:
 
 
 def _install_targets() -> list[str]:
-    from .install import TARGETS
+    from loomd.installer.agents import TARGETS
 
     return sorted(TARGETS)
 
 
 def _run_install(target: str, uninstall: bool, print_only: bool, **options: Any) -> None:
-    from .install import plan
+    from loomd.installer.agents import plan
 
     try:
         actions = plan(target, uninstall=uninstall, **options)

@@ -8,9 +8,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from . import protocol
-from .config import resolve_paths
-from .errors import DaemonNotRunning, LoomdError
+from loomd import protocol
+from loomd.config import resolve_paths
+from loomd.errors import DaemonNotRunning, LoomdError
 
 
 class RemoteError(LoomdError):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import BadRequest
+from loomd.errors import BadRequest
 
 ENV_PREFIX = "LOOMD_"
 
@@ -72,10 +72,10 @@ class Config:
     ack_deadline_ms: int = 1000
     capture_rate_per_session: int = 60
     # context planner
-    start_block_chars: int = 700
+    start_block_chars: int = 1500
     start_block_chars_claude: int = 0
     start_block_chars_codex: int = 0
-    prompt_block_chars: int = 600
+    prompt_block_chars: int = 1600  # 400 tokens: room for one or two evidence passages whole
     prompt_block_lines: int = 3
     prompt_min_score: float = 0.5
     # Wait for the prompt's hybrid search inside the UserPromptSubmit hook (an embedding: ~3-40 ms) instead of
@@ -97,7 +97,7 @@ class Config:
     reflection_context_max_tokens: int = 10_000
     observations_pool_max_tokens: int = 20_000
     observations_pool_target_tokens: int = 10_000
-    event_ttl_days: float = 30.0
+    event_ttl_days: float = 0.0  # 0: raw events are evidence, kept for good; a limit is the user's choice
     memory_ttl_days: float = 0.0
     project_memory_cap: int = 5000
     worker_interval_s: float = 60.0

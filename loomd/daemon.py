@@ -25,21 +25,21 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .capture import Capturer
-from .config import Config, load_config
-from .derived import write_derived
-from .errors import LoomdError
-from .ingest import EventWriter
-from .ops import Ops
-from .planner import Planner
-from .retrieval import SearchContext, search_memories
-from .semantic import VectorService
-from .server import Server
-from .spool import Spool
-from .store import Store
-from .tailer import Tailer
-from .workers.scheduler import Scheduler
+from loomd import __version__
+from loomd.config import Config, load_config
+from loomd.context.planner import Planner
+from loomd.errors import LoomdError
+from loomd.ingest.capture import Capturer
+from loomd.ingest.spool import Spool
+from loomd.ingest.tailer import Tailer
+from loomd.ingest.writer import EventWriter
+from loomd.ops import Ops, Services
+from loomd.search.retrieval import Hit, SearchContext, search_hits
+from loomd.server import Server
+from loomd.store.db import Store
+from loomd.store.memories import MemoryWriter
+from loomd.vectors.service import VectorService
+from loomd.workers.scheduler import Scheduler
 
 log = logging.getLogger("loomd")
 
@@ -101,7 +101,7 @@ class Daemon:
         self.spool: Spool | None = None
         self.tailer: Tailer | None = None
         self.scheduler: Scheduler | None = None
-        self.ops = Ops(self)
+        self.ops: Ops | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._lock_fd: int | None = None
         self._owns_socket = False
@@ -127,20 +127,25 @@ class Daemon:
         self.writer = EventWriter(self.store, max_pending=self.config.max_inflight)
         self.writer.start()
         self.vectors = VectorService(self.config, self.store)
+        self.memories = MemoryWriter(self.store)
+        self.memories.stale.append(self.vectors.mark_dirty)
+        self.memories.committed.append(self.vectors.wake)
         # Captured memories commit inside ingest transactions: wake the back-fill after each commit.
-        self.writer.listeners.append(lambda _events: self.memories_changed())
-        self.capturer = Capturer(self.config.capture_rate_per_session, self.after_memory_write)
-        self.writer.processors.append(self.capturer)
+        self.writer.listeners.append(lambda _events: self.memories.changed())
+        self.writer.processors.append(Capturer(self.config.capture_rate_per_session, self.memories))
         self.planner = Planner(self.store, lambda: self.config, self.search, self.vectors.searchable)
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
         # Before the socket opens: nothing may await between serving the first request and the signal handlers.
-        self.scheduler = Scheduler(self)
+        self.scheduler = Scheduler(self.store, lambda: self.config, self.memories)
         self.writer.listeners.append(self.scheduler.listener)
         await self.scheduler.start()
         # Replay groups share a commit; a quarter of the writer's queue leaves room for live hooks.
         self.spool = Spool(paths.spool, self._ingest_spooled, batch=min(32, self.config.max_inflight // 4))
         self.spool.prepare()
+        self.ops = Ops(Services(
+            config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
+            planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime))
         self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
                              max_inflight=self.config.max_inflight)
         if self.listen_sock is not None:
@@ -247,25 +252,23 @@ class Daemon:
     # --- services for ops ------------------------------------------------------------------------------------
 
     async def _ingest_spooled(self, args: dict[str, Any]) -> None:
-        await self.ops.handle_ingest(args)
+        await self.writer.submit_args(args, max_chars=self.config.max_tool_output_chars)
 
-    async def search(self, **kwargs: Any) -> list[dict[str, Any]]:
-        return await search_memories(self.retrieval_context(), **kwargs)
+    async def search(self, **kwargs: Any) -> list[Hit]:
+        return await search_hits(self.retrieval_context(), **kwargs)
 
     def retrieval_context(self) -> SearchContext:
         return SearchContext(self.store, self.vectors, self.config.recency_half_life_days)
 
-    def embedder_status(self) -> dict[str, Any]:
-        return self.vectors.status()
-
-    async def after_memory_write(self, db: Any, ids: list[int]) -> None:
-        """Derived data (neighbour context, entities, edges) in the same transaction as the memories."""
-        await write_derived(db, ids)
-        self.vectors.mark_dirty(ids)
-
-    def memories_changed(self) -> None:
-        """Memories were committed: wake the vector back-fill."""
-        self.vectors.wake()
+    def runtime(self) -> dict[str, Any]:
+        """What only the running daemon knows, for the `status` op."""
+        tailer = self.tailer.status() if self.tailer else None
+        return {
+            "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 3), "socket": str(self.socket_path),
+            "spool_backlog": self.spool.backlog() if self.spool else 0,
+            "inflight": len(self.server.inflight) if self.server else 0,
+            "embedder": self.vectors.status(), "tailer": tailer,
+        }
 
 
 def setup_logging(level: str) -> None:

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-from .client import AsyncClient
-from .config import resolve_paths
-from .errors import LoomdError
+from loomd.client import AsyncClient
+from loomd.config import resolve_paths
+from loomd.errors import LoomdError
 
 if TYPE_CHECKING:
     from mcp.server.fastmcp import FastMCP
@@ -174,7 +174,7 @@ def build_server() -> "FastMCP":
     from mcp.types import ToolAnnotations
     from pydantic import Field
 
-    from . import __version__
+    from loomd import __version__
 
     try:
         from mcp.server.fastmcp import FastMCP

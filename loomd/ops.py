@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from . import __version__, tasks
-from .errors import BadRequest, Busy
-from .ingest import LATEST_TS, Event, parse_hook, parse_normalised
-from .memories import SCOPES, fetch_memories, insert_memory, set_archived
-from .project import project_of
-from .protocol import REQUIRED, take_args
-from .retrieval import evidence, search_memories, timeline
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
-
-MAX_BATCH = 1000
+from loomd import __version__
+from loomd.config import Config
+from loomd.context.planner import Planner
+from loomd.errors import BadRequest, Busy
+from loomd.ingest.events import INGEST_ARGS, LATEST_TS, parse_hook, sent_at
+from loomd.ingest.project import project_of
+from loomd.ingest.writer import EventWriter
+from loomd.protocol import REQUIRED, ArgSpec, takes
+from loomd.search.retrieval import SearchContext, search_memories
+from loomd.search.views import evidence, timeline
+from loomd.store import tasks
+from loomd.store.db import Store
+from loomd.store.memories import SCOPES, MemoryWriter, fetch_memories, insert_memory, set_archived
+from loomd.workers.model import BUDGET_CHECKPOINT
+from loomd.workers.scheduler import Scheduler
 
 
 def _ids(value: Any) -> list[int]:
@@ -30,41 +33,56 @@ def _ids(value: Any) -> list[int]:
     return ids
 
 
-def _sent_at(ms: int | None) -> float | None:
-    """The shim's send time (ms) as the event's time: a spooled event keeps when it happened, not when replayed."""
-    return ms / 1000 if ms is not None and 0 < ms <= LATEST_TS * 1000 else None
+@dataclass
+class Services:
+    """What the ops work with: the narrow services the daemon wires, never the daemon itself."""
+
+    config: Callable[[], Config]
+    store: Store
+    writer: EventWriter
+    memories: MemoryWriter
+    planner: Planner
+    search: Callable[[], SearchContext]
+    scheduler: Scheduler
+    # The running daemon's own facts for `status`: pid, uptime, socket, spool backlog, in-flight requests,
+    # embedder and tailer state.
+    runtime: Callable[[], dict[str, Any]]
 
 
 class Ops:
-    """Binds every `handle_<op>` to the daemon's state."""
+    """Every `handle_<op>`, over the services."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, services: Services) -> None:
+        self.s = services
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Any]]]:
         return {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
 
-    async def handle_ping(self, args: dict[str, Any]) -> dict[str, Any]:
-        take_args(args, {})
+    @classmethod
+    def specs(cls) -> dict[str, ArgSpec]:
+        """Every op and the arguments it takes (name -> (type, default)): the protocol describing itself."""
+        return {name[len("handle_"):]: getattr(cls, name).spec for name in dir(cls) if name.startswith("handle_")}
+
+    @takes({})
+    async def handle_ping(self, a: dict[str, Any]) -> dict[str, Any]:
         return {"pong": True, "version": __version__, "time": time.time()}
 
-    async def handle_status(self, args: dict[str, Any]) -> dict[str, Any]:
-        take_args(args, {})
-        d = self.d
-        db = d.config.paths.db
+    @takes({})
+    async def handle_status(self, a: dict[str, Any]) -> dict[str, Any]:
+        db = self.s.config().paths.db
         size = sum(p.stat().st_size for p in (db, db.with_name(db.name + "-wal")) if p.exists())
+        run = self.s.runtime()
         return {
-            "version": __version__, "pid": os.getpid(), "uptime_s": round(time.time() - d.started, 3),
-            "socket": str(d.socket_path), "db": str(db), "db_bytes": size,
-            "counts": await self._counts(), "spool_backlog": d.spool.backlog() if d.spool else 0,
-            "queue_depth": d.writer.depth, "inflight": len(d.server.inflight) if d.server else 0,
-            "embedder": d.embedder_status(), "versions": await d.store.versions(),
-            "tailer": d.tailer.status() if d.tailer else None,
-            "tailers": d.tailer.status() if d.tailer else None,
+            "version": __version__, "pid": run["pid"], "uptime_s": run["uptime_s"],
+            "socket": run["socket"], "db": str(db), "db_bytes": size,
+            "counts": await self._counts(), "spool_backlog": run["spool_backlog"],
+            "queue_depth": self.s.writer.depth, "inflight": run["inflight"],
+            "embedder": run["embedder"], "versions": await self.s.store.versions(),
+            "tailer": run["tailer"], "tailers": run["tailer"],
         }
 
     async def _counts(self) -> dict[str, int]:
-        row = await self.d.store.fetchone(
+        row = await self.s.store.fetchone(
             "SELECT (SELECT count(*) FROM events), (SELECT count(*) FROM sessions),"
             " (SELECT count(*) FROM memories WHERE archived_at IS NULL),"
             " (SELECT count(*) FROM memories WHERE archived_at IS NOT NULL)"
@@ -72,13 +90,13 @@ class Ops:
         assert row is not None
         return {"events": row[0], "sessions": row[1], "memories": row[2], "archived": row[3]}
 
-    async def handle_stats(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {"project": (str, None)})
+    @takes({"project": (str, None)})
+    async def handle_stats(self, a: dict[str, Any]) -> dict[str, Any]:
         where, params = ("WHERE project = ?", [a["project"]]) if a["project"] else ("", [])
-        kinds = await self.d.store.fetchall(
+        kinds = await self.s.store.fetchall(
             f"SELECT kind, sum(archived_at IS NULL), sum(archived_at IS NOT NULL) FROM memories {where}"
             " GROUP BY kind ORDER BY kind", params)
-        events = await self.d.store.fetchall(
+        events = await self.s.store.fetchall(
             f"SELECT agent, kind, count(*) FROM events {where} GROUP BY agent, kind ORDER BY agent, kind", params)
         return {
             "counts": await self._counts(),
@@ -86,59 +104,43 @@ class Ops:
             "events": [{"agent": r[0], "kind": r[1], "count": r[2]} for r in events],
         }
 
-    async def handle_config(self, args: dict[str, Any]) -> dict[str, Any]:
-        take_args(args, {})
-        return self.d.config.public()
+    @takes({})
+    async def handle_config(self, a: dict[str, Any]) -> dict[str, Any]:
+        return self.s.config().public()
 
-    async def handle_hook(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes({
+        "agent": (str, "auto"), "event": (str, ""), "raw": ((bytes, str), REQUIRED), "eid": (str, None),
+        "context": (bool, False), "deadline_ms": (int, None), "sent_at": (int, None),
+    })
+    async def handle_hook(self, a: dict[str, Any]) -> dict[str, Any]:
         """A raw hook event from the shim: store it durably, then answer with what to print (maybe nothing)."""
-        a = take_args(args, {
-            "agent": (str, "auto"), "event": (str, ""), "raw": ((bytes, str), REQUIRED), "eid": (str, None),
-            "context": (bool, False), "deadline_ms": (int, None), "sent_at": (int, None),
-        })
-        event = parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=self.d.config.max_tool_output_chars,
-                           now=_sent_at(a["sent_at"]))
+        event = parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=self.s.config().max_tool_output_chars,
+                           now=sent_at(a["sent_at"]))
         # The context is read while the event commits; the reply (the ack) still waits for the commit.
-        written = asyncio.ensure_future(self.d.writer.submit([event]))
+        written = asyncio.ensure_future(self.s.writer.submit([event]))
         try:
             if a["context"]:
-                stdout = await self.d.planner.for_hook(
-                    event, a["deadline_ms"] or self.d.config.context_deadline_ms, written)
+                stdout = await self.s.planner.for_hook(
+                    event, a["deadline_ms"] or self.s.config().context_deadline_ms, written)
             else:
-                stdout = await self.d.planner.after_event(event, written)
+                stdout = await self.s.planner.after_event(event, written)
         finally:
             await asyncio.shield(written)
         return {"stored": int(event.stored), "stdout": stdout}
 
-    async def handle_ingest(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(INGEST_ARGS)
+    async def handle_ingest(self, a: dict[str, Any]) -> dict[str, Any]:
         """One event or a batch: raw hook bytes plus agent and event name, or already-normalised events."""
-        a = take_args(args, {
-            "raw": ((bytes, str), None), "agent": (str, "auto"), "event": (str, ""), "eid": (str, None),
-            "events": (list, None), "item": (dict, None), "sent_at": (int, None),
-        })
-        limit = self.d.config.max_tool_output_chars
-        events: list[Event] = []
-        if a["raw"] is not None:
-            events.append(parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=limit,
-                                     now=_sent_at(a["sent_at"])))
-        if a["item"] is not None:
-            events.append(parse_normalised(a["item"], max_chars=limit))
-        for item in a["events"] or []:
-            events.append(parse_normalised(item, max_chars=limit))
-        if not events:
-            raise BadRequest("ingest needs 'raw' (hook bytes), 'item' (one event) or 'events' (a list)")
-        if len(events) > MAX_BATCH:
-            raise BadRequest(f"a batch holds at most {MAX_BATCH} events, got {len(events)}")
-        await self.d.writer.submit(events)
+        events = await self.s.writer.submit_args(a, max_chars=self.s.config().max_tool_output_chars)
         return {"accepted": len(events), "stored": sum(e.stored for e in events),
                 "ids": [e.id for e in events]}
 
-    async def handle_store(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {
-            "text": (str, REQUIRED), "kind": (str, "fact"), "scope": (str, "project"), "tags": (list, []),
-            "importance": (float, 0.7), "expires": (float, None), "ttl_days": (float, None), "cwd": (str, None),
-            "project": (str, None), "session_id": (str, None), "created": (float, None),
-        })
+    @takes({
+        "text": (str, REQUIRED), "kind": (str, "fact"), "scope": (str, "project"), "tags": (list, []),
+        "importance": (float, 0.7), "expires": (float, None), "ttl_days": (float, None), "cwd": (str, None),
+        "project": (str, None), "session_id": (str, None), "created": (float, None),
+    })
+    async def handle_store(self, a: dict[str, Any]) -> dict[str, Any]:
         if a["scope"] not in SCOPES:
             raise BadRequest(f"unknown scope '{a['scope']}'; one of: {', '.join(SCOPES)}")
         if not all(isinstance(t, str) for t in a["tags"]):
@@ -150,90 +152,87 @@ class Ops:
                 raise BadRequest(f"'{name}' must be between 0 and {top:.0f}")
         project = a["project"] or ("user" if a["scope"] == "user" else await project_of(a["cwd"]))
         expires = a["expires"] or (time.time() + a["ttl_days"] * 86400 if a["ttl_days"] else None)
-        async with self.d.store.atomic() as db:
+        async with self.s.memories.atomic() as db:
             memory_id, is_new = await insert_memory(
                 db, kind=a["kind"], text=a["text"], project=project, scope=a["scope"], tags=a["tags"],
                 importance=a["importance"], expires=expires, session_id=a["session_id"], origin="store",
                 created=a["created"],
             )
-            await self.d.after_memory_write(db, [memory_id])
-        self.d.memories_changed()
+            await self.s.memories.derive(db, [memory_id])
         return {"id": memory_id, "created": is_new, "project": project}
 
-    async def handle_search(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {
-            "query": (str, REQUIRED), "limit": (int, 10), "mode": (str, "hybrid"), "project": (str, None),
-            "cwd": (str, None), "scope": (str, None), "kind": ((str, list), None), "since": (float, None),
-            "until": (float, None), "session_id": (str, None), "include_archived": (bool, False),
-            "explain": (bool, False), "weights": (dict, None), "tuning": (dict, None),
-        })
+    @takes({
+        "query": (str, REQUIRED), "limit": (int, 10), "mode": (str, "hybrid"), "project": (str, None),
+        "cwd": (str, None), "scope": (str, None), "kind": ((str, list), None), "since": (float, None),
+        "until": (float, None), "session_id": (str, None), "include_archived": (bool, False),
+        "explain": (bool, False), "weights": (dict, None), "tuning": (dict, None),
+    })
+    async def handle_search(self, a: dict[str, Any]) -> dict[str, Any]:
         if not 1 <= a["limit"] <= 200:
             raise BadRequest("'limit' must be between 1 and 200")
         if a["project"] is None and a["cwd"]:
             a["project"] = await project_of(a["cwd"])
         a.pop("cwd")
         report: dict[str, Any] = {}
-        results = await search_memories(self.d.retrieval_context(), **a, report=report)
+        results = await search_memories(self.s.search(), **a, report=report)
         reply = {"results": results, "count": len(results)}
         if a["explain"] or report.get("notes"):
             reply.update(report)
         return reply
 
-    async def handle_timeline(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes({
+        "id": (int, None), "entity": (str, None), "before": (int, 5), "after": (int, 5), "limit": (int, 20),
+        "project": (str, None), "cwd": (str, None), "scope": (str, None), "kind": ((str, list), None),
+        "since": (float, None), "until": (float, None), "session_id": (str, None),
+        "include_archived": (bool, False),
+    })
+    async def handle_timeline(self, a: dict[str, Any]) -> dict[str, Any]:
         """Memories in time order around one memory (`id`) or naming an `entity`, else the newest."""
-        a = take_args(args, {
-            "id": (int, None), "entity": (str, None), "before": (int, 5), "after": (int, 5), "limit": (int, 20),
-            "project": (str, None), "cwd": (str, None), "scope": (str, None), "kind": ((str, list), None),
-            "since": (float, None), "until": (float, None), "session_id": (str, None),
-            "include_archived": (bool, False),
-        })
         if not (0 <= a["before"] <= 200 and 0 <= a["after"] <= 200 and 1 <= a["limit"] <= 500):
             raise BadRequest("'before' and 'after' must be 0-200, 'limit' 1-500")
         if a["project"] is None and a["cwd"] and a["id"] is None:
             a["project"] = await project_of(a["cwd"])
         a.pop("cwd")
-        return await timeline(self.d.store, memory_id=a.pop("id"), **a)
+        return await timeline(self.s.store, memory_id=a.pop("id"), **a)
 
-    async def handle_evidence(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes({"id": ((int, list), REQUIRED), "max_chars": (int, 600), "limit": (int, 20)})
+    async def handle_evidence(self, a: dict[str, Any]) -> dict[str, Any]:
         """A memory's source events with their text (cut at `max_chars`)."""
-        a = take_args(args, {"id": ((int, list), REQUIRED), "max_chars": (int, 600), "limit": (int, 20)})
         if not (1 <= a["max_chars"] <= 20_000 and 1 <= a["limit"] <= 500):
             raise BadRequest("'max_chars' must be 1-20000 and 'limit' 1-500")
-        return {"memories": await evidence(self.d.store, _ids(a["id"]), max_chars=a["max_chars"], limit=a["limit"])}
+        return {"memories": await evidence(self.s.store, _ids(a["id"]), max_chars=a["max_chars"], limit=a["limit"])}
 
-    async def handle_detail(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {"id": ((int, list), REQUIRED), "sources": (bool, True)})
+    @takes({"id": ((int, list), REQUIRED), "sources": (bool, True)})
+    async def handle_detail(self, a: dict[str, Any]) -> dict[str, Any]:
         ids = _ids(a["id"])
-        items = await fetch_memories(self.d.store, ids)
+        items = await fetch_memories(self.s.store, ids)
         if a["sources"]:
             for item in items:
-                rows = await self.d.store.fetchall(
+                rows = await self.s.store.fetchall(
                     "SELECT e.id, e.kind, e.session_id, e.ts FROM memory_sources s JOIN events e ON e.id = s.event_id"
                     " WHERE s.memory_id = ? ORDER BY e.id LIMIT 50", (item["id"],))
                 item["sources"] = [{"event_id": r[0], "kind": r[1], "session_id": r[2], "ts": r[3]} for r in rows]
         return {"memories": items}
 
-    async def handle_forget(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {"id": ((int, list), REQUIRED), "reason": (str, "forget")})
-        async with self.d.store.atomic() as db:
+    @takes({"id": ((int, list), REQUIRED), "reason": (str, "forget")})
+    async def handle_forget(self, a: dict[str, Any]) -> dict[str, Any]:
+        async with self.s.memories.atomic() as db:
             changed = await set_archived(db, _ids(a["id"]), True, a["reason"])
-        self.d.memories_changed()
         return {"archived": changed}
 
-    async def handle_restore(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {"id": ((int, list), REQUIRED)})
-        async with self.d.store.atomic() as db:
+    @takes({"id": ((int, list), REQUIRED)})
+    async def handle_restore(self, a: dict[str, Any]) -> dict[str, Any]:
+        async with self.s.memories.atomic() as db:
             changed = await set_archived(db, _ids(a["id"]), False)
-        self.d.memories_changed()
         return {"restored": changed}
 
-    async def handle_events(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {"limit": (int, 20), "session_id": (str, None), "after_id": (int, 0)})
+    @takes({"limit": (int, 20), "session_id": (str, None), "after_id": (int, 0)})
+    async def handle_events(self, a: dict[str, Any]) -> dict[str, Any]:
         where, params = "WHERE id > ?", [a["after_id"]]
         if a["session_id"]:
             where += " AND session_id = ?"
             params.append(a["session_id"])
-        rows = await self.d.store.fetchall(
+        rows = await self.s.store.fetchall(
             f"SELECT id, agent, session_id, project, kind, source, ts, tool_name, payload FROM events {where}"
             " ORDER BY id DESC LIMIT ?", [*params, max(1, min(a["limit"], 500))])
         return {"events": [
@@ -241,20 +240,16 @@ class Ops:
              "ts": r[6], "tool_name": r[7], "payload": r[8][:2000]} for r in reversed(rows)
         ]}
 
-    async def handle_context(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes({
+        "kind": (str, "start"), "session_id": (str, None), "cwd": (str, None), "project": (str, None),
+        "prompt": (str, None), "agent": (str, "claude"), "deadline_ms": (int, 2000),
+    })
+    async def handle_context(self, a: dict[str, Any]) -> dict[str, Any]:
         """The block a hook would inject: `start` (frozen per session), `compact`, or `prompt` recall."""
-        a = take_args(args, {
-            "kind": (str, "start"), "session_id": (str, None), "cwd": (str, None), "project": (str, None),
-            "prompt": (str, None), "agent": (str, "claude"), "deadline_ms": (int, 2000),
-        })
         project = a["project"] or await project_of(a["cwd"])
-        planner = self.d.planner
+        planner = self.s.planner
         if a["kind"] == "start" and a["session_id"] is None:
-            from .context import project_label, render_start_block, start_lines
-
-            lines, counts = await start_lines(self.d.store, project)
-            text, ids = render_start_block(project_label(project), lines, counts,
-                                           self.d.config.start_block_budget(a["agent"]))
+            text, ids = await planner.preview_start(project, a["agent"])
             return {"text": text, "ids": ids, "project": project}
         if a["session_id"] is None:
             raise BadRequest(f"context kind '{a['kind']}' needs a session_id")
@@ -276,71 +271,64 @@ class Ops:
         return {"text": text, "ids": ids, "project": project}
 
     async def _ensure_session(self, session_id: str, agent: str, project: str, cwd: str | None) -> None:
-        async with self.d.store.atomic() as db:
+        async with self.s.store.atomic() as db:
             now = time.time()
             await db.execute(
                 "INSERT INTO sessions (id, agent, project, cwd, started, last_seen) VALUES (?,?,?,?,?,?)"
                 " ON CONFLICT(id) DO NOTHING", (session_id, agent, project, cwd, now, now))
 
-    async def handle_task_create(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {"title": (str, REQUIRED), "cwd": (str, None), "project": (str, None),
+    @takes({"title": (str, REQUIRED), "cwd": (str, None), "project": (str, None),
                              "session_id": (str, None), "state": (str, "active")})
+    async def handle_task_create(self, a: dict[str, Any]) -> dict[str, Any]:
         project = a["project"] or await project_of(a["cwd"])
-        async with self.d.store.atomic() as db:
+        async with self.s.memories.atomic() as db:
             task_id = await tasks.create(db, title=a["title"], project=project, session_id=a["session_id"],
                                          state=a["state"])
-            await self.d.after_memory_write(db, [task_id])
+            await self.s.memories.derive(db, [task_id])
             row, meta = await tasks.load(db, task_id)
             view = tasks.view(row, meta)
-        self.d.memories_changed()
         return view
 
-    async def handle_task_update(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {"id": (int, REQUIRED), "state": (str, None), "evidence": (dict, None),
+    @takes({"id": (int, REQUIRED), "state": (str, None), "evidence": (dict, None),
                              "note": (str, None)})
-        async with self.d.store.atomic() as db:
+    async def handle_task_update(self, a: dict[str, Any]) -> dict[str, Any]:
+        async with self.s.store.atomic() as db:
             return await tasks.update(db, a["id"], state=a["state"], evidence=a["evidence"], note=a["note"])
 
-    async def handle_task_close(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes({"id": (int, REQUIRED), "evidence": (dict, None)})
+    async def handle_task_close(self, a: dict[str, Any]) -> dict[str, Any]:
         """Close (make stable) only with an artifact, a passing evaluation and a memory reference."""
-        a = take_args(args, {"id": (int, REQUIRED), "evidence": (dict, None)})
-        async with self.d.store.atomic() as db:
+        async with self.s.store.atomic() as db:
             if a["evidence"]:
                 await tasks.update(db, a["id"], evidence=a["evidence"])
             return await tasks.close(db, a["id"])
 
-    async def handle_task_list(self, args: dict[str, Any]) -> dict[str, Any]:
-        a = take_args(args, {"cwd": (str, None), "project": (str, None), "state": (str, None),
+    @takes({"cwd": (str, None), "project": (str, None), "state": (str, None),
                              "all_projects": (bool, False)})
+    async def handle_task_list(self, a: dict[str, Any]) -> dict[str, Any]:
         where, params = "kind = 'task' AND archived_at IS NULL", []
         if not a["all_projects"]:
             where += " AND project = ?"
             params.append(a["project"] or await project_of(a["cwd"]))
-        rows = await self.d.store.fetchall(f"SELECT * FROM memories WHERE {where} ORDER BY id", params)
+        rows = await self.s.store.fetchall(f"SELECT * FROM memories WHERE {where} ORDER BY id", params)
         views = [tasks.view(r, json.loads(r["meta"] or "{}") or tasks.new_meta()) for r in rows]
         if a["state"]:
             views = [v for v in views if v["state"] == a["state"]]
         return {"tasks": views}
 
-    async def handle_workers(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes({})
+    async def handle_workers(self, a: dict[str, Any]) -> dict[str, Any]:
         """The memory workers: last run and outcome, next run, pending triggers; today's model budget."""
-        take_args(args, {})
-        if self.d.scheduler is None:
-            raise Busy("the workers are not started yet")
-        from .distill import BUDGET_CHECKPOINT
-
-        status = await self.d.scheduler.status()
-        raw = await self.d.store.scalar("SELECT value FROM checkpoints WHERE name = ?", (BUDGET_CHECKPOINT,))
-        cfg = self.d.config
+        status = await self.s.scheduler.status()
+        raw = await self.s.store.scalar("SELECT value FROM checkpoints WHERE name = ?", (BUDGET_CHECKPOINT,))
+        cfg = self.s.config()
         status["model"] = {"api": cfg.model_api or None, "model": cfg.model_name or None,
                            "daily_tokens": cfg.model_daily_tokens, "usage": json.loads(raw) if raw else None}
         return status
 
-    async def handle_workers_run(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Run one worker now (`dry_run`: report what it would write, write nothing); waits for it to finish."""
-        a = take_args(args, {"name": (str, REQUIRED), "session_id": (str, None), "project": (str, None),
+    @takes({"name": (str, REQUIRED), "session_id": (str, None), "project": (str, None),
                              "dry_run": (bool, False), "final": (bool, None)})
-        if self.d.scheduler is None:
-            raise Busy("the workers are not started yet")
-        return await self.d.scheduler.run(a["name"], session_id=a["session_id"], project=a["project"],
+    async def handle_workers_run(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Run one worker now (`dry_run`: report what it would write, write nothing); waits for it to finish."""
+        return await self.s.scheduler.run(a["name"], session_id=a["session_id"], project=a["project"],
                                           dry_run=a["dry_run"], final=a["final"])

@@ -9,14 +9,16 @@ Several requests may be in flight on one connection; replies carry the request i
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from .errors import BadRequest, BadVersion, FrameTooLarge
+from loomd.errors import BadRequest, BadVersion, FrameTooLarge
 
 VERSION = 1
 HEADER = struct.Struct(">I")
@@ -103,7 +105,24 @@ def _items(value: Any) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, list) else ()
 
 
-def take_args(args: dict[str, Any], spec: dict[str, tuple[type | tuple[type, ...], Any]]) -> dict[str, Any]:
+ArgSpec = dict[str, tuple[type | tuple[type, ...], Any]]  # name -> (type(s), default or REQUIRED)
+Handler = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+
+
+def takes(spec: ArgSpec) -> Callable[[Handler], Handler]:
+    """Declare an op handler's arguments: the handler gets them validated (`take_args`), and the spec stays on it
+    (`handler.spec`) so the ops can be listed with their arguments."""
+    def declare(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def validated(self: Any, args: dict[str, Any]) -> Any:
+            return await handler(self, take_args(args, spec))
+
+        validated.spec = spec  # type: ignore[attr-defined]
+        return validated
+    return declare
+
+
+def take_args(args: dict[str, Any], spec: ArgSpec) -> dict[str, Any]:
     """Validate `args` against `spec` (name -> (type, default or REQUIRED)); unknown names are errors."""
     unknown = sorted(map(repr, set(args) - set(spec)))  # keys may be of any msgpack type: never compare them
     if unknown:

@@ -11,8 +11,8 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import protocol
-from .errors import FrameTooLarge, LoomdError, UnknownOp
+from loomd import protocol
+from loomd.errors import FrameTooLarge, LoomdError, UnknownOp
 
 log = logging.getLogger(__name__)
 

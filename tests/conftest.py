@@ -19,7 +19,7 @@ import pytest
 from loomd.client import AsyncClient, Client
 from loomd.config import load_config
 from loomd.daemon import Daemon
-from loomd.store import Store, connect_sync
+from loomd.store.db import Store, connect_sync
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRE_ALL = os.environ.get("LOOMD_REQUIRE_ALL", "") not in ("", "0")

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from loomd.capture import RULES
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
-from loomd.ingest import Event
-from loomd.workers.steps import commit_subject, shell_command
+from loomd.ingest.capture import RULES
+from loomd.ingest.events import Event
+from loomd.ingest.reading import commit_subject, shell_command
 
 _ids = itertools.count(1)
 
@@ -190,5 +190,5 @@ async def test_a_failing_processor_loses_no_event(daemon: Daemon, client: AsyncC
     texts = {m["text"] for m in await captured(client)}
     assert {f"Committed: Change number {i}" for i in range(20)} <= texts
     assert "Committed: Poisoned subject" not in texts
-    logged = [r.getMessage() for r in caplog.records if r.name == "loomd.ingest"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "loomd.ingest.writer"]
     assert "1 event(s) stored without their captures: a processor failed on them" in logged, logged

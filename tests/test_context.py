@@ -12,9 +12,11 @@ import pytest
 from conftest import caught_up, serving
 
 from loomd.client import AsyncClient, RemoteError
-from loomd.context import CLOSE, OPEN, PROMPT_OPEN, Line, render_start_block, sanitise
+from loomd.config import Config
+from loomd.context.planner import relevant
+from loomd.context.render import CLOSE, OPEN, PROMPT_OPEN, Line, render_start_block, sanitise
 from loomd.daemon import Daemon
-from loomd.planner import relevant
+from loomd.search.retrieval import Hit, SignalHit
 
 CWD = "/tmp/ctxproj"
 
@@ -53,13 +55,18 @@ async def test_start_block_is_frozen_per_session(client: AsyncClient) -> None:
     assert "A newer decision" in other
 
 
-async def test_concurrent_starts_of_one_session_share_one_block(client: AsyncClient) -> None:
+async def test_concurrent_starts_of_one_session_share_one_block(daemon: Daemon, client: AsyncClient) -> None:
     await remember(client, "Chose SQLite WAL over Postgres for the local store", "decision")
     first, second = await asyncio.gather(hook(client, "SessionStart", session="race", source="startup"),
                                          hook(client, "SessionStart", session="race", source="resume"))
     assert first == second and "[D]" in first
     await remember(client, "A newer decision that must not change the frozen block", "decision")
-    await asyncio.sleep(0.2)  # the freeze has committed by now: the block comes from the database
+    for _ in range(500):  # once the freeze has committed, the block comes from the database
+        if await daemon.store.scalar("SELECT start_block IS NOT NULL FROM sessions WHERE id = 'race'"):
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the start block was never frozen")
     assert await hook(client, "SessionStart", session="race", source="resume") == first
     row = await client.call("context", kind="start", session_id="race", cwd=CWD)
     assert row["text"] == first
@@ -69,7 +76,7 @@ async def test_start_block_never_exceeds_budget(client: AsyncClient) -> None:
     for i in range(60):
         await remember(client, f"Decision {i}: " + "use the retry queue for webhook delivery " * 5, "decision")
     block = await hook(client, "SessionStart", source="startup")
-    assert len(block) <= 700
+    assert len(block) <= Config().start_block_chars
     assert block.count("\n[D]") >= 3
 
 
@@ -280,4 +287,5 @@ async def test_prompt_semantic_inline_answers_in_the_hook(inline_client: AsyncCl
      {"fts": {"rank": 1}, "vec": {"rank": 3, "score": 0.2}}, False),
 ])
 def test_relevance_rule(prompt: str, text: str, explain: dict[str, Any], expected: bool) -> None:
-    assert relevant({"text": text, "explain": explain}, 0.5, prompt) is expected
+    signals = {name: SignalHit(s["rank"], s.get("score", 1.0), 0.1) for name, s in explain.items()}
+    assert relevant(Hit({"text": text}, signals), 0.5, prompt) is expected

@@ -16,12 +16,14 @@ import pytest
 from secret_corpus import GITHUB_PAT
 from test_workers import PROJECT, loomd, work_session
 
-from loomd.distill import ModelClient, parse_observations
 from loomd.errors import ModelError
+from loomd.ingest.reading import command_heads, commit_subject, first_error_line
+from loomd.ingest.sentences import classify_user_sentence
+from loomd.workers.model import ModelClient, parse_observations
 from loomd.workers.reflector import Mem, contradicts, same_meaning, supersedes
 from loomd.workers.rules import observe
-from loomd.workers.steps import SourceEvent, command_heads, commit_subject, first_error_line
-from loomd.workers.text import classify_assistant_sentence, classify_user_sentence, content_words
+from loomd.workers.steps import SourceEvent
+from loomd.workers.text import classify_assistant_sentence, content_words
 
 KEY = "sk-test-" + "9f8e7d6c5b4a3f2e1d0c"
 

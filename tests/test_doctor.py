@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 from conftest import REPO
 
-from loomd import install, units
 from loomd.config import load_config
 from loomd.daemon import Daemon
-from loomd.doctor import Finding, run_checks
-from loomd.embed import default_model_path
-from loomd.store import connect_sync
+from loomd.installer import agents as install
+from loomd.installer import services
+from loomd.installer.doctor import Finding, run_checks
+from loomd.store.db import connect_sync
+from loomd.vectors.embed import default_model_path
 
 LOOM = str(Path(sys.executable).with_name("loom"))
 SHIM = str(REPO / "shims" / "loom-hook")
@@ -73,8 +74,8 @@ def install_hooks(user_home: Path, python: str = sys.executable, shim: str = SHI
 
 def install_units(user_home: Path, python: str = sys.executable) -> Path:
     env = env_for(user_home)
-    units.apply(units.systemd_install_plan(load_config(), python, env, namespaces=True), run=False)
-    return units.systemd_unit_dir(env)
+    services.apply(services.systemd_install_plan(load_config(), python, env, namespaces=True), run=False)
+    return services.systemd_unit_dir(env)
 
 
 async def checks(user_home: Path, **overrides: str) -> dict[str, Finding]:

@@ -37,7 +37,7 @@ from conftest import REPO, DaemonProcess
 from fake_models import AnthropicFake, FakeModelServer, OpenAIResponsesFake
 
 from loomd.client import Client
-from loomd.context import PROMPT_OPEN
+from loomd.context.render import PROMPT_OPEN
 
 pytestmark = pytest.mark.e2e
 

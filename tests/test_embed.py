@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
-import statistics
 import struct
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,7 +15,8 @@ from typing import Any
 import pytest
 
 from loomd.config import Config
-from loomd.embed import (
+from loomd.errors import EmbedderError
+from loomd.vectors.embed import (
     LOCAL_DIM,
     MODEL_PACKAGE,
     MODEL_PACKAGE_VERSION,
@@ -28,14 +26,12 @@ from loomd.embed import (
     LocalEmbedder,
     NoEmbedder,
     OpenAIEmbedder,
-    binary_quantize,
-    content_hash,
     default_model_path,
     from_blob,
     make_embedder,
     to_blob,
 )
-from loomd.errors import EmbedderError
+from loomd.vectors.index import as_matrix, sign_bits
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "loomd" / "models" / "minilm-tokenizer.json"
 
@@ -142,11 +138,11 @@ def test_blob_helpers() -> None:
     assert from_blob(to_blob(vec)) == vec
     with pytest.raises(EmbedderError):
         from_blob(b"abc")
-    assert content_hash("héllo") == hashlib.sha256("héllo".encode()).hexdigest()
-    assert binary_quantize(to_blob([1.0, -1.0, 0.0, 2.0, -3.0, 0.1, 0.1, -0.1, 5.0])) == bytes([0b01101001, 0b1])
+    signs = to_blob([1.0, -1.0, 0.0, 2.0, -3.0, 0.1, 0.1, -0.1, 5.0])
+    assert sign_bits(as_matrix([signs], 9)) == [bytes([0b01101001, 0b1])]
 
 
-def test_binary_quantize_matches_sqlite_vec(local: LocalEmbedder) -> None:
+def test_sign_bits_match_sqlite_vec(local: LocalEmbedder) -> None:
     sqlite3 = pytest.importorskip("sqlean")
     sqlite_vec = pytest.importorskip("sqlite_vec")
     db = sqlite3.connect(":memory:")
@@ -155,7 +151,7 @@ def test_binary_quantize_matches_sqlite_vec(local: LocalEmbedder) -> None:
         sqlite_vec.load(db)
         for blob in local.embed(["hello world", "a second, different text"]):
             (theirs,) = db.execute("select vec_quantize_binary(?)", (blob,)).fetchone()
-            assert binary_quantize(blob) == theirs
+            assert sign_bits(as_matrix([blob], len(blob) // 4)) == [theirs]
     finally:
         db.close()
 
@@ -256,24 +252,3 @@ def test_make_embedder(openai_url: str) -> None:
     remote.close()
     with pytest.raises(EmbedderError, match="unknown embedder"):
         make_embedder(Config(embedder="word2vec"))
-
-
-def test_report_speed(local: LocalEmbedder) -> None:
-    """Figures for the closing note, printed with `pytest -s`; machines are noisy, so nothing is asserted."""
-    short = "Melanie: I painted a sunrise over the lake last weekend, it was lovely."
-    local.embed([short])
-    singles = []
-    for _ in range(30):
-        started = time.perf_counter()
-        local.embed([short])
-        singles.append(time.perf_counter() - started)
-    batch = [f"{short} ({i})" for i in range(64)]
-    started = time.perf_counter()
-    local.embed(batch)
-    per_text = (time.perf_counter() - started) / len(batch)
-    fresh = LocalEmbedder()
-    print(  # noqa: T201
-        f"\nembed: load {fresh.load_seconds * 1000:.0f} ms;"
-        f" one short text p50 {statistics.median(singles) * 1000:.1f} ms;"
-        f" batch of 64 short texts {per_text * 1000:.2f} ms/text"
-    )

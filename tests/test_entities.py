@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loomd.entities import COMMAND, IDENTIFIER, NAME, PACKAGE, PATH, URL, extract_entities
+from loomd.store.entities import COMMAND, IDENTIFIER, NAME, PACKAGE, PATH, URL, extract_entities
 
 
 @pytest.mark.parametrize(

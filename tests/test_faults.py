@@ -29,7 +29,7 @@ import pytest
 from conftest import REPO, DaemonProcess
 
 from loomd.client import Client
-from loomd.store import connect_sync
+from loomd.store.db import connect_sync
 
 
 def _shim_dir() -> Path:
@@ -405,6 +405,7 @@ def test_database_locked_by_another_process(daemon_process: Callable[..., Daemon
         backlog_during = c.call("status")["spool_backlog"]
     assert max(pings) < 2.0, pings  # answered while the writer waits out a 4 s lock
     assert locker.wait(30) == 0
+    locker.stdout.close()
     locked_s = time.monotonic() - t0
     records, why = load.wait()
     drain_s = wait_drained(proc, len(records), 60)
@@ -617,7 +618,7 @@ def test_sqlean_errors_are_storage_errors(tmp_path: Path) -> None:
 
     assert not issubclass(sqlean.DatabaseError, sqlite3.DatabaseError)
     from loomd.errors import StorageError
-    from loomd.store import open_checked
+    from loomd.store.db import open_checked
 
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"x" * 8192)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -10,18 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loomd import fusion
 from loomd.errors import BadRequest
-from loomd.fusion import (
-    fts_query,
-    mix_neighbours,
-    mix_vector,
-    neighbour_context,
-    neighbours_to_remix,
-    query_terms,
-    rank_by_entities,
-    weighted_rrf,
-)
+from loomd.search import fusion
+from loomd.search.fusion import fts_match, query_terms, score_by_entities, weighted_rrf
+from loomd.vectors.backfill import mix_vector
+
+
+def fts_query(text: str) -> str:
+    return fts_match(query_terms(text))
 
 sqlite3 = pytest.importorskip("sqlean")
 
@@ -151,46 +146,22 @@ def test_any_text_gives_a_valid_match_expression(text: str) -> None:
         db.close()
 
 
-def test_neighbour_context() -> None:
-    texts = ["a", "b", "c", "d", "e"]
-    assert neighbour_context(texts, window=2) == ["b c", "a c d", "a b d e", "b c e", "c d"]
-    assert neighbour_context(texts, window=0) == ["", "", "", "", ""]
-    assert neighbour_context([]) == []
-    assert neighbour_context(["only"]) == [""]
-
-
-def test_mix_neighbours_matches_mix_vector() -> None:
-    rng = np.random.default_rng(7)
-    raw = [blob(list(v / np.linalg.norm(v))) for v in rng.normal(size=(6, 16))]
-    mixed = mix_neighbours(raw, alpha=0.25, window=2)
-    assert len(mixed) == 6
-    for i, vector in enumerate(mixed):
-        around = raw[max(0, i - 2) : i] + raw[i + 1 : i + 3]
-        one = unblob(mix_vector(raw[i], around, alpha=0.25))
-        assert np.allclose(unblob(vector), one, atol=1e-6)
-        assert math.isclose(float(np.linalg.norm(unblob(vector))), 1.0, abs_tol=1e-5)
-    for same, original in zip(mix_neighbours(raw, window=0), raw, strict=True):
-        assert np.allclose(unblob(same), unblob(original), atol=1e-6)
-    assert mix_neighbours([]) == []
-
-
 def test_mix_pulls_toward_neighbours() -> None:
     a, b = blob([1.0, 0.0]), blob([0.0, 1.0])
     mixed = unblob(mix_vector(a, [b], alpha=0.25))
     assert mixed[0] > mixed[1] > 0
     assert mix_vector(blob([0.0, 0.0]), []) == blob([0.0, 0.0])
-    with pytest.raises(BadRequest):
+    with pytest.raises(ValueError):
         mix_vector(a, [blob([1.0, 2.0, 3.0])])
 
 
-def test_rank_by_entities() -> None:
+def rank_by_entities(entities: list[str], postings: dict[str, set[int]], total: int) -> list[int]:
+    return [item for item, _ in score_by_entities(entities, postings, total)]
+
+
+def test_score_by_entities() -> None:
     postings = {"caroline": {1, 2, 3, 4}, "pottery": {2, 5}, "lgbtq": {3}}
     assert rank_by_entities(["pottery", "lgbtq", "pottery"], postings, total=4) == [3, 2, 5]
     assert rank_by_entities(["caroline"], postings, total=4) == []  # in every memory: no information
     assert rank_by_entities(["unknown"], postings, total=4) == []
     assert rank_by_entities(["caroline", "pottery"], postings, total=10) == [2, 5, 1, 3, 4]
-
-
-def test_neighbours_to_remix() -> None:
-    assert list(neighbours_to_remix(0)) == [0, 1, 2]
-    assert list(neighbours_to_remix(5, window=2)) == [3, 4, 5, 6, 7]

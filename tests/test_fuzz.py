@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import struct
@@ -74,7 +73,7 @@ class Target:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise RuntimeError(self.log.read_text()[-2000:]) from None
                 time.sleep(0.02)
-        self.ops = sorted(Ops(None).handlers())  # type: ignore[arg-type]
+        self.ops = sorted(Ops.specs())
         self.rss_start = 0.0
 
     def warm_up(self) -> None:
@@ -202,7 +201,7 @@ JSON = st.recursive(SCALARS, lambda kids: st.lists(kids, max_size=6) | st.dictio
                     max_leaves=40)
 
 def ops_strategy() -> st.SearchStrategy[str]:
-    return st.sampled_from(sorted(Ops(None).handlers())) | st.text(max_size=20)  # type: ignore[arg-type]
+    return st.sampled_from(sorted(Ops.specs())) | st.text(max_size=20)
 
 
 @fuzz_settings(600)
@@ -222,9 +221,8 @@ def test_random_msgpack_messages(target: Target, message: Any) -> None:
 
 
 def arg_names() -> list[str]:
-    """Every argument name any op validates (read from ops.py), so random maps hit the real ones often."""
-    source = (REPO / "loomd" / "ops.py").read_text()
-    return sorted(set(re.findall(r'"([a-z_]+)": \(', source)))
+    """Every argument name any op validates (as the ops declare them), so random maps hit the real ones often."""
+    return sorted({name for spec in Ops.specs().values() for name in spec})
 
 
 NAMES = arg_names()
@@ -246,14 +244,10 @@ def test_random_arguments_for_every_op(target: Target, op: str, args: dict[Any, 
 
 
 def op_specs() -> dict[str, dict[str, str]]:
-    """op -> {argument: declared type} as each handler declares it to take_args (read from ops.py)."""
-    source = (REPO / "loomd" / "ops.py").read_text()
-    specs: dict[str, dict[str, str]] = {}
-    for block in re.split(r"\n    async def handle_", source)[1:]:
-        op = block.split("(", 1)[0]
-        found = re.search(r"take_args\(args, \{(.*?)\}\)", block, re.S)
-        specs[op] = dict(re.findall(r'"(\w+)": \((\([^()]*\)|\w+),', found.group(1))) if found else {}
-    return specs
+    """op -> {argument: declared type names, e.g. "(bytes, str)"} as each handler declares them (`Ops.specs`)."""
+    def names(kind: type | tuple[type, ...]) -> str:
+        return "(" + ", ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,))) + ")"
+    return {op: {arg: names(kind) for arg, (kind, _) in spec.items()} for op, spec in Ops.specs().items()}
 
 
 WORDS = st.sampled_from(["start", "prompt", "compact", "fact", "decision", "constraint", "task", "project", "user",
@@ -300,7 +294,7 @@ def test_typed_arguments_for_every_op(target: Target, request: tuple[str, dict[s
         target.alive()
 
 
-@pytest.mark.parametrize("op", sorted(Ops(None).handlers()))  # type: ignore[arg-type]
+@pytest.mark.parametrize("op", sorted(Ops.specs()))
 def test_deeply_nested_argument_for_every_op(target: Target, op: str) -> None:
     """Each argument slot of each op with a value nested as deep as msgpack allows."""
     deep: Any = "x"

@@ -1,6 +1,6 @@
 """`loom install|uninstall claude|codex` on a temporary HOME, without the client CLIs (settings mode and the
 fallback to it); registration through the real clients is proven in test_e2e_agents.py. Also: the checked-in
-plugin is what loomd/plugin.py generates, and the commands it writes really run the shim."""
+plugin is what loomd/installer/plugin.py generates, and the commands it writes really run the shim."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from conftest import REPO
 
 from loomd.errors import LoomdError
-from loomd.install import TOML_MARK, plan, toml_with_codex_keys
-from loomd.plugin import EVENTS, PINNED_PYTHON, SHIM_MARK, static_files
+from loomd.installer.agents import TOML_MARK, plan, toml_with_codex_keys
+from loomd.installer.plugin import EVENTS, PINNED_PYTHON, SHIM_MARK, static_files
 
 THEIRS = {"Stop": [{"hooks": [{"type": "command", "command": "notify-send done"}]}],
           "PreToolUse": [{"matcher": "Bash", "hooks": [{"type": "command", "command": "audit.sh", "timeout": 3}]}]}
@@ -60,7 +60,7 @@ def backups(path: Path) -> list[Path]:
 
 
 def test_checked_in_plugin_is_what_plugin_py_generates() -> None:
-    fix = "python -c 'import loomd.plugin as p; p.write_static()'"
+    fix = "python -c 'import loomd.installer.plugin as p; p.write_static()'"
     for rel, data in static_files().items():
         assert (REPO / rel).read_bytes() == data, f"{rel} is stale: run {fix}"
     marketplace = json.loads((REPO / ".claude-plugin" / "marketplace.json").read_text())

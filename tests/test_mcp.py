@@ -130,6 +130,7 @@ def test_import_stays_light_and_start_is_fast(home: Path) -> None:
         timings.append(time.monotonic() - start)
         proc.stdin.close()
         proc.wait(10)
+        proc.stdout.close()
         assert reply["result"]["serverInfo"]["name"] == "loom"
     assert min(timings) < 1.0, f"MCP handshake took {timings}"
 
@@ -242,7 +243,7 @@ def test_loom_install_mcp_without_the_clients_edits_their_files(tmp_path: Path) 
     assert doc["numStartups"] == 3 and doc["mcpServers"]["other"] == {"command": "x"}
     assert doc["mcpServers"]["loom"]["args"] == ["-m", "loomd.mcp"]
     assert doc["mcpServers"]["loom"]["env"] == {"LOOMD_HOME": "/srv/loom"}
-    assert list(user_home.glob(".claude.json.bak-*"))  # backed up first
+    assert list(user_home.glob(".claude.json.loomd-bak-*"))  # backed up first
     import tomllib
 
     text = codex_toml.read_text()

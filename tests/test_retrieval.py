@@ -15,8 +15,8 @@ from conftest import caught_up, wait_for_socket
 from loomd.client import AsyncClient, RemoteError
 from loomd.config import load_config
 from loomd.daemon import Daemon
-from loomd.embed import MODEL_SHA256, default_model_path
-from loomd.memories import insert_memory
+from loomd.store.memories import insert_memory
+from loomd.vectors.embed import MODEL_SHA256, default_model_path
 
 DAY = 86400.0
 NOW = 1_750_000_000.0
@@ -181,7 +181,7 @@ async def test_filters_and_archive(client: AsyncClient, daemon: Daemon) -> None:
     async with daemon.store.atomic() as db:
         sourced, _ = await insert_memory(db, kind="decision", text="use postgres 16", project="p",
                                          sources=event["ids"])
-        await daemon.after_memory_write(db, [sourced])
+        await daemon.memories.derive(db, [sourced])
     shown = (await client.call("evidence", id=sourced, max_chars=100))["memories"][0]
     assert shown["events_total"] == 1 and shown["events"][0]["text"].startswith("always use postgres 16")
     assert shown["events"][0]["truncated"] is True and len(shown["events"][0]["text"]) == 100
@@ -207,8 +207,8 @@ async def test_stale_vectors_are_back_filled(client: AsyncClient, daemon: Daemon
     async with daemon.store.atomic() as db:
         await db.execute("UPDATE memories SET text = 'the cache lives in memcached', content_hash = 'changed'"
                          " WHERE id = ?", (memory_id,))
-        await daemon.after_memory_write(db, [memory_id])
-    daemon.memories_changed()
+        await daemon.memories.derive(db, [memory_id])
+    daemon.memories.changed()
     await caught_up(client)
     row = await daemon.store.fetchone("SELECT content_hash FROM memory_vectors WHERE memory_id = ?", (memory_id,))
     assert row is not None and row[0] == "changed"
@@ -236,7 +236,7 @@ async def test_wrong_model_file_leaves_full_text_search_and_says_so(
             assert ids_of(await search(client, "rsync"))  # keywords still work in hybrid mode
             semantic = await client.call("search", query="rsync", project="p", mode="semantic")
             assert semantic["results"] == [] and "embedder failed" in semantic["notes"][0]
-            from loomd.doctor import run_checks
+            from loomd.installer.doctor import run_checks
 
             findings = {f.name: f for f in await asyncio.to_thread(run_checks)}
             assert findings["embedder"].status == "FAIL" and "sha256" in findings["embedder"].detail
@@ -264,7 +264,7 @@ async def test_restart_reads_the_index_and_replaces_vectors_of_another_model(hom
         return ids
 
     ids = await run(first)
-    from loomd.store import connect_sync
+    from loomd.store.db import connect_sync
 
     db = connect_sync(home / "loomd.db")
     db.execute("UPDATE memory_vectors SET model = 'some-older-model' WHERE memory_id = ?", (ids[0],))
@@ -315,8 +315,8 @@ async def test_recurrence_follows_a_changed_text(client: AsyncClient, daemon: Da
     async with daemon.store.atomic() as db:
         await db.execute("UPDATE memories SET text = 'Bananas are rich in potassium.', content_hash = 'x'"
                          " WHERE id = ?", (ids[0],))
-        await daemon.after_memory_write(db, [ids[0]])
-    daemon.memories_changed()
+        await daemon.memories.derive(db, [ids[0]])
+    daemon.memories.changed()
     await caught_up(client)
     assert await recurrence() == [0, 1, 1]
     assert not await daemon.store.fetchall("SELECT 1 FROM memory_near WHERE ? IN (a, b)", (ids[0],))

@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from secret_corpus import SECRET_SAMPLES
 
-from loomd import context as ctx
 from loomd.client import Client, RemoteError
+from loomd.context import render as ctx
 
 SECRETS = sorted({secret for _, secret in SECRET_SAMPLES}, key=len, reverse=True)
 SHIM_DIR = REPO / "shims" if (REPO / "shims" / "loom-hook").exists() else REPO / "plugin" / "shims"
@@ -66,6 +66,11 @@ def run_shim(home: Path, event: str, payload: dict[str, Any] | bytes, umask: int
 
 def start(daemon_process: Callable[..., DaemonProcess], home: Path, **env: str) -> DaemonProcess:
     return daemon_process({"LOOMD_CODEX_HOME": str(home / "codex"), **env}).start()
+
+
+def ping(sock: Path) -> bool:
+    with Client(sock, timeout=2) as client:
+        return bool(client.call("ping")["pong"])
 
 
 def until(what: str, check: Callable[[], bool], within: float = 60.0) -> None:
@@ -189,7 +194,7 @@ def launch(home: Path, log: Path, umask: int) -> subprocess.Popen[bytes]:
     with open(log, "ab") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "loomd", "serve"], env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 cwd=REPO, preexec_fn=lambda: os.umask(umask))  # noqa: PLW1509
-    until("the daemon", lambda: Client(home / "loomd.sock", timeout=2).call("ping")["pong"], 30)
+    until("the daemon", lambda: ping(home / "loomd.sock"), 30)
     return proc
 
 
@@ -604,7 +609,7 @@ async def test_forged_delimiters_through_the_daemon(client: Any, home: Path) -> 
 
 def test_truncation_never_keeps_part_of_a_secret() -> None:
     """Oversized output is cut before redaction: a secret straddling the cut must not survive in part."""
-    from loomd.ingest import parse_hook
+    from loomd.ingest.events import parse_hook
 
     limit = 16_000
     kept_parts = []

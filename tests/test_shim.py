@@ -191,6 +191,7 @@ def test_stdin_over_64_mib_is_truncated_but_fully_read(home: Path) -> None:
     proc.stdin.write(payload)  # raises BrokenPipeError if the shim stopped reading
     proc.stdin.close()
     assert proc.stdout.read() == b""
+    proc.stdout.close()
     assert proc.wait(timeout=30) == 0
     raw = only_spooled(home)["raw"]
     assert len(raw) == 64 * 1024 * 1024
@@ -328,6 +329,7 @@ def test_notify_takes_its_payload_from_argv_and_leaves_stdin_alone(home: Path) -
     finally:
         proc.stdin.close()
     assert proc.stdout.read() == b""
+    proc.stdout.close()
     args = only_spooled(home)
     assert args["raw"] == payload.encode()
     assert (args["event"], args["agent"], args["context"]) == ("notify", "codex", False)

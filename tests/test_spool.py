@@ -1,4 +1,4 @@
-"""Spool replay in a running daemon (loomd/spool.py): files the shim leaves while the daemon is away or busy are
+"""Spool replay in a running daemon (loomd/ingest/spool.py): files the shim leaves while the daemon is away or busy are
 ingested through the same idempotent path, corrupt ones are moved aside, and a file goes only after its commit.
 The spool files are made by the real shim (a subprocess, daemon absent), then renamed into the live spool the way
 the shim itself publishes them."""
@@ -122,6 +122,9 @@ def locked_db(short_busy_timeout: None, daemon: Daemon, home: Path) -> Iterator[
     if proc.poll() is None:
         proc.kill()
     proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None and not pipe.closed:
+            pipe.close()
 
 
 async def test_a_file_stays_until_its_event_is_committed(

@@ -1,6 +1,6 @@
 """The transcript tailer end to end: a real daemon, real files in a temporary folder, real hook events.
 
-Expected counts come from a traversal written here (plain JSON field checks), never from loomd.transcript.
+Expected counts come from a traversal written here (plain JSON field checks), never from loomd.ingest.transcript.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import shutil
-import sqlite3
 import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlean
 from conftest import need_test_data, wait_for_socket
 
 from loomd.client import AsyncClient
 from loomd.config import load_config
 from loomd.daemon import Daemon
-from loomd.tailer import Follower
+from loomd.ingest.tailer import Follower
 
 KINDS = ("user_message", "assistant_message", "tool_use", "tool_result", "compact_summary", "summary")
 CODEX_INJECTED = ("<environment_context>", "<user_instructions>", "# AGENTS.md instructions", "<INSTRUCTIONS>",
@@ -64,7 +64,10 @@ async def wait_until(cond: Callable[[], bool | Awaitable[bool]], what: str, with
 
 
 def query(home: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(f"file:{home / 'loomd.db'}?mode=ro", uri=True)
+    # Through the daemon's own SQLite build (sqlean): a second SQLite library in the process does not see the first
+    # one's POSIX locks on the WAL index, and closing its connection can pull the shared memory from under the
+    # in-process daemon's connections (SIGBUS).
+    conn = sqlean.connect(f"file:{home / 'loomd.db'}?mode=ro", uri=True)
     try:
         return conn.execute(sql, params).fetchall()
     finally:
@@ -148,10 +151,14 @@ class Expected:
         self.tool_results: set[str] = set()
         self.compacts: set[str] = set()
         self.summaries: set[str] = set()
-        self.codex_assistant = 0
+        # Codex writes each assistant text twice (event_msg and response_item), a plan-mode <proposed_plan> only as
+        # a response item: the distinct texts are the larger count of each text over the two copies.
+        self.codex_events: Counter[str] = Counter()
+        self.codex_items: Counter[str] = Counter()
 
     def counts(self) -> dict[str, int]:
-        return {"user_message": len(self.users), "assistant_message": len(self.texts) + self.codex_assistant,
+        codex_texts = (self.codex_events | self.codex_items).total()
+        return {"user_message": len(self.users), "assistant_message": len(self.texts) + codex_texts,
                 "tool_use": len(self.tool_uses), "tool_result": len(self.tool_results),
                 "compact_summary": len(self.compacts), "summary": len(self.summaries)}
 
@@ -203,7 +210,9 @@ class Expected:
         if t == "event_msg" and pt == "user_message" and not p["message"].lstrip().startswith(CODEX_INJECTED):
             self.users.add(norm(p["message"]))
         elif t == "event_msg" and pt == "agent_message":
-            self.codex_assistant += 1  # the response_item copy of each must merge with this one
+            self.codex_events[norm(p["message"])] += 1
+        elif t == "response_item" and pt == "message" and p.get("role") == "assistant":
+            self.codex_items[norm("".join(part.get("text", "") for part in p["content"]))] += 1
         elif t == "response_item" and pt == "message" and p.get("role") == "user":
             text = "".join(part.get("text", "") for part in p["content"])
             if not text.lstrip().startswith(CODEX_INJECTED):
@@ -326,9 +335,12 @@ async def test_every_real_transcript_is_ingested(codex_rollouts: list[Path], cli
         else:
             result = await daemon.tailer.import_file(path)
             assert result["format"] == "claude_array" and result["events"] > 0
-            for o in load(path):
-                expected[o["sessionId"]].claude(o)
-                label.setdefault(o["sessionId"], str(rel))
+            objs = load(path)
+            # Lines without a session id (summary, mode, ...) belong to the file's first session.
+            first = next(o["sessionId"] for o in objs if o.get("sessionId"))
+            for o in objs:
+                expected[o.get("sessionId") or first].claude(o)
+                label.setdefault(o.get("sessionId") or first, str(rel))
     await wait_until(caught_up(daemon, *followed, *codex_rollouts), "every transcript to be read", within=60)
     subagents = [f for f in daemon.tailer.followers.values() if f.role == "subagent"]
     assert len(subagents) == sum(1 for p, k in files if k == "claude" and p.name.startswith("agent-"))
@@ -362,6 +374,47 @@ async def test_every_real_transcript_is_ingested(codex_rollouts: list[Path], cli
         home, "SELECT payload FROM events WHERE session_id = 'ef958aa1-0e93-49f0-bb71-150f63befcd1'"
         " AND source = 'transcript' AND json_extract(payload, '$.agent_type') IS NOT NULL")]
     assert payloads and all(p["is_sidechain"] is True and p["agent_id"] for p in payloads)
+
+
+QA_FORMATS = {"claude-array": "claude_array", "claude-jsonl": "claude", "codex-rollout": "codex"}
+
+
+async def test_every_coding_qa_session_imports(client: AsyncClient, daemon: Daemon, home: Path) -> None:
+    """Every file the coding-QA dev set names imports to completion: transcripts (and their subagent files) through
+    the tailer's one-shot import, hook logs through the `hook` op as the shim sends them. A file the format
+    detection refuses, or one that yields nothing, fails here."""
+    qa_path = need_test_data("coding-qa-dev.json")
+    data = qa_path.parent / "transcripts"
+    qa = json.loads(qa_path.read_bytes())
+    assert daemon.tailer is not None
+    named: set[str] = set()
+    imported: dict[str, int] = {}
+    for s in qa["sessions"]:
+        if s["format"] == "hooks":
+            sid = s["session_id"]
+            for rel in s["hook_files"]:
+                named.add(rel)
+                records = [r for r in load(data / rel) if r.get("session_id") == sid]
+                assert records, f"{rel} holds no hook payload of session {sid}"
+                for r in records:
+                    reply = await client.call("hook", event=r["hook_event_name"], agent="claude",
+                                              raw=json.dumps(r).encode())
+                    assert reply["stored"] == 1
+            sessions = [sid]
+        else:
+            sessions = []
+            for rel in [s["path"], *s.get("subagent_files", [])]:
+                named.add(rel)
+                result = await daemon.tailer.import_file(data / rel)
+                assert result["format"] == QA_FORMATS[s["format"]], rel
+                assert result["events"] > 0 and result["stored"] > 0, (rel, result)
+                sessions += result["sessions"]
+        marks = ",".join("?" * len(sessions))
+        imported[s["id"]] = query(home, f"SELECT count(*) FROM events WHERE session_id IN ({marks})",
+                                  tuple(sessions))[0][0]
+    assert {q["session"] for q in qa["questions"]} <= named
+    assert all(imported.values()), imported
+    assert daemon.tailer.status()["errors"] == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -542,7 +595,7 @@ async def test_restart_resumes_without_reingesting(client: AsyncClient, daemon: 
 
 async def test_rotated_truncated_deleted_unreadable(client: AsyncClient, daemon: Daemon, home: Path, tmp_path: Path,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="loomd.tailer")
+    caplog.set_level(logging.INFO, logger="loomd.ingest.tailer")
     assert daemon.tailer is not None
     sid = "rotate-1"
     path = tmp_path / f"{sid}.jsonl"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from loomd.transcript import (
+from loomd.ingest.transcript import (
     CodexState,
     TranscriptItem,
     detect_format,
@@ -151,32 +151,35 @@ def _count_claude(objs: list[dict[str, Any]]) -> dict[str, int]:
 
 def _count_codex(objs: list[dict[str, Any]]) -> dict[str, int]:
     c: Counter[str] = Counter()
-    ri_user = ri_assistant = 0
+    # Each text is written twice, as an event and as a response item; a plan-mode <proposed_plan> only as a response
+    # item. The distinct texts: per text, the larger of its two counts.
+    events: dict[str, Counter[str]] = {"user": Counter(), "assistant": Counter()}
+    responses: dict[str, Counter[str]] = {"user": Counter(), "assistant": Counter()}
     calls: set[str] = set()
     outputs: set[str] = set()
     for o in objs:
         p = o.get("payload") or {}
         if o["type"] == "event_msg" and p.get("type") == "user_message":
-            c["user"] += 1
+            events["user"][p["message"].strip()] += 1
         elif o["type"] == "event_msg" and p.get("type") == "agent_message":
-            c["assistant_text"] += 1
+            events["assistant"][p["message"].strip()] += 1
         elif o["type"] == "compacted":
             c["compact_summary"] += 1
         elif o["type"] == "response_item" and p.get("type") == "message":
             text = "".join(part.get("text", "") for part in p["content"])
             if p["role"] == "user" and not text.lstrip().startswith(CODEX_INJECTED):
-                ri_user += 1
+                responses["user"][text.strip()] += 1
             elif p["role"] == "assistant":
-                ri_assistant += 1
+                responses["assistant"][text.strip()] += 1
         elif o["type"] == "response_item" and p.get("type") in ("function_call", "custom_tool_call"):
             calls.add(p["call_id"])
         elif o["type"] == "response_item" and p.get("type") in ("function_call_output", "custom_tool_call_output"):
             outputs.add(p["call_id"])
-    # Each text is written twice; both copies must agree or the dedupe below has nothing sound to compare with.
-    assert (ri_user, ri_assistant) == (c["user"], c["assistant_text"])
+    # Every prompt has both copies; the copies must agree or the dedupe has nothing sound to compare with.
+    assert events["user"] == responses["user"]
     return {
-        "user": c["user"],
-        "assistant_text": c["assistant_text"],
+        "user": events["user"].total(),
+        "assistant_text": (events["assistant"] | responses["assistant"]).total(),
         "tool_use": len(calls),
         "tool_result": len(outputs),
         "compact_summary": c["compact_summary"],
@@ -287,9 +290,12 @@ def test_real_file_content_rules(path: Path | None, fmt: str | None) -> None:
         assert not any(thought.strip() in t for t in texts)
     # Base64 image bytes never reach an item; the image shows as a placeholder.
     images = [d["source"]["data"] for d in _walk(objs) if d.get("type") == "image" and "data" in d.get("source", {})]
+    # ... unless the line is harness input (isMeta, e.g. an expanded skill prompt), which is not stored at all.
+    shown = [d["source"]["data"] for o in objs if not (isinstance(o, dict) and o.get("isMeta")) for d in _walk(o)
+             if d.get("type") == "image" and "data" in d.get("source", {})]
     for data in images:
         assert not any(data[:200] in t for t in texts)
-    if images:
+    if shown:
         assert any("[image]" in t for t in texts)
     for item in items:
         if item.kind == "tool_result":
@@ -373,7 +379,7 @@ def test_count_table_report(data_dir: Path, record_property: pytest.RecordProper
 
 def test_data_set_is_complete(data_dir: Path) -> None:
     formats = Counter(f for _, f in FILES)
-    assert formats == {"claude": 16, "codex": 2, "claude_array": 2}
+    assert formats == {"claude": 16, "codex": 4, "claude_array": 10}
     hook_logs = [p for p in (data_dir / "transcripts").rglob("*.json") if p.name.endswith("_use.json")]
     assert hook_logs
     for p in hook_logs:
@@ -504,6 +510,37 @@ def test_detect_format_and_parse_file_synthetic(tmp_path: Path) -> None:
     other = tmp_path / "x.json"
     other.write_text(json.dumps({"a": 1}))
     assert detect_format(other) is None
+
+
+def test_detect_format_skips_unknown_line_types(tmp_path: Path) -> None:
+    """Agents keep adding line types: a file is judged by the lines it knows and refused only on a contradiction."""
+    user = json.loads(_line(1))
+    unknown = [{"type": f"future-kind-{i}", "messageId": f"m{i}"} for i in range(60)]  # more than one sniff window
+    codex = {"type": "session_meta", "payload": {"id": "x"}}
+    hook = {"session_id": "s", "hook_event_name": "PostToolUse", "tool_name": "Bash"}
+
+    def array(objs: list[Any]) -> Path:
+        path = tmp_path / "chat.json"
+        path.write_text(json.dumps(objs))
+        return path
+
+    def jsonl(objs: list[Any]) -> Path:
+        path = tmp_path / "s.jsonl"
+        path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+        return path
+
+    assert detect_format(array([*unknown, user])) == "claude_array"
+    assert [i.key for i in parse_file(array([*unknown, user]))] == ["u:u1"]
+    assert detect_format(array(unknown)) is None  # nothing known: no evidence it is a transcript
+    assert detect_format(array([user, hook])) is None  # a hook payload is no transcript line
+    assert detect_format(array([user, codex])) is None  # two formats in one file
+    assert detect_format(array([user, {"text": "no type"}])) is None
+    assert detect_format(array([user, "a string", 3])) == "claude_array"  # non-objects are skipped by every reader
+    assert detect_format(array([])) is None
+    assert detect_format(jsonl([*unknown, user])) == "claude"
+    assert detect_format(jsonl([codex, {"type": "new_codex_line", "payload": {}}])) == "codex"
+    assert detect_format(jsonl([user, hook])) is None
+    assert detect_format(jsonl(unknown)) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, REQUIRE_ALL
 
-from loomd import units
 from loomd.client import Client
 from loomd.config import load_config
+from loomd.installer import services
 
 SHIM = REPO / "shims" / "loom-hook"
 LOOM = str(Path(sys.executable).with_name("loom"))
@@ -47,18 +47,18 @@ def verify(unit_dir: Path) -> None:
     analyze = need_tool("systemd-analyze")
     runtime = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: %t paths of every user unit must fit AF_UNIX
     try:
-        done = subprocess.run([analyze, "--user", "verify", str(unit_dir / units.SOCKET_UNIT),
-                               str(unit_dir / units.SERVICE_UNIT)], capture_output=True, text=True,
+        done = subprocess.run([analyze, "--user", "verify", str(unit_dir / services.SOCKET_UNIT),
+                               str(unit_dir / services.SERVICE_UNIT)], capture_output=True, text=True,
                               env={**os.environ, "XDG_RUNTIME_DIR": runtime}, timeout=60)
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
     assert done.returncode == 0 and not done.stderr.strip() and not done.stdout.strip(), done.stderr + done.stdout
 
 
-def write_units(unit_dir: Path, spec: units.ServiceSpec) -> None:
+def write_units(unit_dir: Path, spec: services.ServiceSpec) -> None:
     unit_dir.mkdir(parents=True, exist_ok=True)
-    (unit_dir / units.SOCKET_UNIT).write_text(units.render_socket(spec))
-    (unit_dir / units.SERVICE_UNIT).write_text(units.render_service(spec))
+    (unit_dir / services.SOCKET_UNIT).write_text(services.render_socket(spec))
+    (unit_dir / services.SERVICE_UNIT).write_text(services.render_service(spec))
 
 
 def directives(text: str) -> dict[str, str]:
@@ -67,13 +67,13 @@ def directives(text: str) -> dict[str, str]:
 
 
 def test_checked_in_files_are_what_the_renderer_produces() -> None:
-    for rel, data in units.reference_files().items():
-        assert (REPO / rel).read_bytes() == data, f"{rel} is stale: run loomd.units.write_reference(REPO)"
+    for rel, data in services.reference_files().items():
+        assert (REPO / rel).read_bytes() == data, f"{rel} is stale: run loomd.installer.services.write_reference(REPO)"
 
 
 @pytest.mark.parametrize("namespaces", [True, False])
 def test_rendered_units_pass_systemd_analyze_verify(tmp_path: Path, home: Path, namespaces: bool) -> None:
-    spec = units.service_spec(load_config(), sys.executable, namespaces=namespaces)
+    spec = services.service_spec(load_config(), sys.executable, namespaces=namespaces)
     write_units(tmp_path / "units", spec)
     verify(tmp_path / "units")
 
@@ -83,7 +83,7 @@ def test_checked_in_units_pass_verify(tmp_path: Path) -> None:
         pytest.skip("the reference unit names /usr/bin/python3")
     unit_dir = tmp_path / "units"
     unit_dir.mkdir()
-    for name in (units.SOCKET_UNIT, units.SERVICE_UNIT):
+    for name in (services.SOCKET_UNIT, services.SERVICE_UNIT):
         shutil.copy(REPO / "systemd" / name, unit_dir / name)
     verify(unit_dir)
 
@@ -91,12 +91,12 @@ def test_checked_in_units_pass_verify(tmp_path: Path) -> None:
 def test_default_paths_use_the_runtime_dir_the_shim_uses() -> None:
     env = {"HOME": "/home/ann", "XDG_RUNTIME_DIR": "/run/user/1000"}
     config = load_config(env)
-    spec = units.service_spec(config, "/home/ann/.venvs/loomd/bin/python", env, namespaces=True)
-    socket_unit = directives(units.render_socket(spec))
+    spec = services.service_spec(config, "/home/ann/.venvs/loomd/bin/python", env, namespaces=True)
+    socket_unit = directives(services.render_socket(spec))
     assert socket_unit["ListenStream"] == "%t/loomd/loomd.sock"  # %t = the user manager's XDG_RUNTIME_DIR
     assert config.paths.socket == Path("/run/user/1000/loomd/loomd.sock")
     assert (socket_unit["SocketMode"], socket_unit["DirectoryMode"]) == ("0600", "0700")
-    service = units.render_service(spec)
+    service = services.render_service(spec)
     d = directives(service)
     assert d["Type"] == "notify" and d["Restart"] == "on-failure" and d["NoNewPrivileges"] == "yes"
     assert d["ProtectSystem"] == "strict" and d["PrivateTmp"] == "yes" and d["RestrictAddressFamilies"] == "AF_UNIX"
@@ -109,17 +109,17 @@ def test_renderer_decides_network_tmp_timeout_and_escaping(tmp_path: Path) -> No
     env = {"HOME": str(tmp_path), "LOOMD_HOME": "/tmp/loom 100%", "LOOMD_MODEL_URL": "http://127.0.0.1:9/v1",
            "LOOMD_MODEL_API": "openai", "LOOMD_DRAIN_TIMEOUT_S": "40"}
     config = load_config(env)
-    spec = units.service_spec(config, "/opt/py 3/bin/python", env, namespaces=True)
-    d = directives(units.render_service(spec))
+    spec = services.service_spec(config, "/opt/py 3/bin/python", env, namespaces=True)
+    d = directives(services.render_service(spec))
     assert d["RestrictAddressFamilies"] == "AF_UNIX AF_INET AF_INET6"  # a model endpoint is configured
     assert "PrivateTmp" not in d  # LOOMD_HOME under /tmp: a private /tmp would hide it from the shims
     assert int(d["TimeoutStopSec"]) > config.drain_timeout_s == 40
     assert d["ExecStart"] == '"/opt/py 3/bin/python" -m loomd serve'
-    assert directives(units.render_socket(spec))["ListenStream"] == '"/tmp/loom 100%%/loomd.sock"'
-    assert 'Environment="LOOMD_HOME=/tmp/loom 100%%"' in units.render_service(spec)
-    embed = units.service_spec(load_config({"HOME": str(tmp_path), "LOOMD_EMBEDDER": "openai"}), "/usr/bin/python3",
+    assert directives(services.render_socket(spec))["ListenStream"] == '"/tmp/loom 100%%/loomd.sock"'
+    assert 'Environment="LOOMD_HOME=/tmp/loom 100%%"' in services.render_service(spec)
+    embed = services.service_spec(load_config({"HOME": str(tmp_path), "LOOMD_EMBEDDER": "openai"}), "/usr/bin/python3",
                                {"HOME": str(tmp_path)}, namespaces=False)
-    rendered = units.render_service(embed)
+    rendered = services.render_service(embed)
     assert "AF_INET6" in rendered and "ProtectSystem" not in rendered and "NoNewPrivileges=yes" in rendered
 
 
@@ -127,7 +127,7 @@ def test_awkward_interpreter_path_still_verifies(tmp_path: Path, home: Path) -> 
     odd = tmp_path / "py 50%"
     odd.mkdir()
     (odd / "python").symlink_to(sys.executable)
-    spec = units.service_spec(load_config(), str(odd / "python"), namespaces=True)
+    spec = services.service_spec(load_config(), str(odd / "python"), namespaces=True)
     write_units(tmp_path / "units", spec)
     verify(tmp_path / "units")
 
@@ -135,23 +135,23 @@ def test_awkward_interpreter_path_still_verifies(tmp_path: Path, home: Path) -> 
 def test_install_plan_writes_units_and_uninstall_removes_them(tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "rt")}
     config = load_config(env)
-    plan = units.systemd_install_plan(config, sys.executable, env, namespaces=True)
+    plan = services.systemd_install_plan(config, sys.executable, env, namespaces=True)
     script = plan.script()
     assert "systemctl --user daemon-reload" in script
     assert "systemctl --user enable --now loomd.socket loomd.service" in script
-    done = units.apply(plan, run=False)
+    done = services.apply(plan, run=False)
     unit_dir = tmp_path / ".config" / "systemd" / "user"
-    assert (unit_dir / units.SERVICE_UNIT).exists() and (unit_dir / units.SOCKET_UNIT).exists()
+    assert (unit_dir / services.SERVICE_UNIT).exists() and (unit_dir / services.SOCKET_UNIT).exists()
     assert config.paths.data_dir.is_dir() and config.paths.state_dir.is_dir()  # ReadWritePaths must exist
     assert any(line.startswith("not run: systemctl --user enable") for line in done)
     verify(unit_dir)
-    again = units.apply(units.systemd_install_plan(config, sys.executable, env, namespaces=True), run=False)
-    assert f"unchanged {unit_dir / units.SERVICE_UNIT}" in again  # idempotent
-    (unit_dir / units.SERVICE_UNIT).write_text("# edited by hand\n")
-    rewritten = units.apply(units.systemd_install_plan(config, sys.executable, env, namespaces=True), run=False)
-    assert any("previous version saved as loomd.service.bak-" in line for line in rewritten)
-    units.apply(units.systemd_uninstall_plan(env), run=False)
-    assert not (unit_dir / units.SERVICE_UNIT).exists() and not (unit_dir / units.SOCKET_UNIT).exists()
+    again = services.apply(services.systemd_install_plan(config, sys.executable, env, namespaces=True), run=False)
+    assert f"unchanged {unit_dir / services.SERVICE_UNIT}" in again  # idempotent
+    (unit_dir / services.SERVICE_UNIT).write_text("# edited by hand\n")
+    rewritten = services.apply(services.systemd_install_plan(config, sys.executable, env, namespaces=True), run=False)
+    assert any("previous version saved as loomd.service.loomd-bak-" in line for line in rewritten)
+    services.apply(services.systemd_uninstall_plan(env), run=False)
+    assert not (unit_dir / services.SERVICE_UNIT).exists() and not (unit_dir / services.SOCKET_UNIT).exists()
     assert config.paths.data_dir.is_dir()  # the memory stays
 
 
@@ -162,12 +162,12 @@ def test_printed_launchd_script_writes_a_plist_naming_existing_paths(tmp_path: P
     done = subprocess.run([LOOM, "install", "launchd", "--print"], env=env,
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    plist_path = units.launchd_plist_path(user_home)
+    plist_path = services.launchd_plist_path(user_home)
     assert not plist_path.exists()  # --print changes nothing
     body = re.search(r"<<'LOOMD_EOF'\n(.*?)\nLOOMD_EOF", done.stdout, re.S)
     assert body, done.stdout
     data = plistlib.loads(body.group(1).encode())
-    assert data["Label"] == units.LAUNCHD_LABEL and data["RunAtLoad"] is True and data["KeepAlive"] is True
+    assert data["Label"] == services.LAUNCHD_LABEL and data["RunAtLoad"] is True and data["KeepAlive"] is True
     python, *args = data["ProgramArguments"]
     assert Path(python).parent == Path(sys.executable).parent and args == ["-m", "loomd", "serve"]
     subprocess.run([python, "-c", "import loomd.daemon"], check=True, timeout=60)  # the venv that has loomd
@@ -202,8 +202,8 @@ def test_socket_activation_serves_an_event_sent_before_the_daemon_existed(tmp_pa
     try:
         env = {"HOME": str(tmp_path), "LOOMD_HOME": str(home), "PATH": os.environ["PATH"]}
         config = load_config(env)
-        spec = units.service_spec(config, sys.executable, env, namespaces=True)
-        listen = directives(units.render_socket(spec))["ListenStream"]
+        spec = services.service_spec(config, sys.executable, env, namespaces=True)
+        listen = directives(services.render_socket(spec))["ListenStream"]
         assert listen == str(home / "loomd.sock") == str(config.paths.socket)
         notify_path = home / "notify"
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -276,18 +276,18 @@ def test_loom_install_systemd_writes_enables_and_uninstall_reverses(tmp_path: Pa
     done = subprocess.run([LOOM, "install", "systemd"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     unit_dir = user_home / ".config" / "systemd" / "user"
-    service = (unit_dir / units.SERVICE_UNIT).read_text()
+    service = (unit_dir / services.SERVICE_UNIT).read_text()
     assert f"ExecStart={Path(sys.executable).parent}/" in service and " -m loomd serve" in service
     assert str(user_home / ".local" / "share" / "loomd") in service  # the real data dir is writable
     assert log.read_text().splitlines() == ["systemctl --user daemon-reload",
                                             "systemctl --user enable --now loomd.socket loomd.service"]
     verify(unit_dir)
     again = subprocess.run([LOOM, "install", "systemd"], env=env, capture_output=True, text=True, timeout=120)
-    assert f"unchanged {unit_dir / units.SERVICE_UNIT}" in again.stdout
+    assert f"unchanged {unit_dir / services.SERVICE_UNIT}" in again.stdout
     log.unlink()
     gone = subprocess.run([LOOM, "uninstall", "systemd"], env=env, capture_output=True, text=True, timeout=120)
     assert gone.returncode == 0, gone.stderr
-    assert not (unit_dir / units.SERVICE_UNIT).exists() and not (unit_dir / units.SOCKET_UNIT).exists()
+    assert not (unit_dir / services.SERVICE_UNIT).exists() and not (unit_dir / services.SOCKET_UNIT).exists()
     assert log.read_text().splitlines() == ["systemctl --user disable --now loomd.service loomd.socket",
                                             "systemctl --user daemon-reload"]
 
@@ -300,4 +300,4 @@ def test_loom_install_systemd_says_what_failed_when_the_user_manager_is_away(tmp
     done = subprocess.run([LOOM, "install", "systemd"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "systemctl --user daemon-reload" in done.stderr and "Failed to connect to bus" in done.stderr
-    assert (user_home / ".config" / "systemd" / "user" / units.SERVICE_UNIT).exists()  # written before the failure
+    assert (user_home / ".config" / "systemd" / "user" / services.SERVICE_UNIT).exists()  # written before the failure

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from loomd.cli import main as cli_main
 from loomd.client import AsyncClient, Client
 from loomd.daemon import Daemon
-from loomd.store import connect_sync
+from loomd.store.db import connect_sync
 from loomd.workers.digest import budgets, render_digest
 from loomd.workers.rules import observe
 from loomd.workers.steps import SourceEvent
@@ -589,7 +589,7 @@ async def test_a_real_session_yields_useful_observations_and_reflections(monkeyp
 
 async def test_every_real_session_replays_into_observations_and_reflections(monkeypatch, home) -> None:
     root = need_test_data("transcripts")
-    from loomd.transcript import detect_format
+    from loomd.ingest.transcript import detect_format
 
     files = sorted(p for p in root.rglob("*") if p.suffix in (".json", ".jsonl") and detect_format(p) is not None)
     async with loomd(monkeypatch, home) as (d, client):

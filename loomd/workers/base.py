@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiosqlite
 
-from ..config import Config
-from ..entities import extract_entities
-from ..memories import content_hash, estimate_tokens
-from ..redact import redact_text
-from ..store import Store
-from .steps import Observation
+from loomd.config import Config
+from loomd.redact import redact_text
+from loomd.store.db import Store
+from loomd.store.entities import extract_entities
+from loomd.store.memories import MemoryWriter, content_hash, estimate_tokens
+from loomd.workers.steps import Observation
 
-AfterWrite = Callable[[aiosqlite.Connection, list[int]], Awaitable[None]]
 # Kinds the reflector writes and merges into (capture and `store` write them too: one pool, one truth).
 REFLECTION_KINDS = ("constraint", "preference", "decision", "procedure", "insight", "fact", "reflection", "handoff")
 MAX_OUTPUT_LISTED = 200
@@ -71,7 +70,7 @@ class RunReport:
 class WorkerContext:
     store: Store
     config: Callable[[], Config]
-    after_write: AfterWrite
+    memories: MemoryWriter
     wake: Callable[[str, str], None] = lambda name, key: None
 
     @asynccontextmanager
@@ -84,6 +83,18 @@ class WorkerContext:
                     raise _Rollback
         except _Rollback:
             pass
+
+
+async def requested_projects(ctx: WorkerContext, req: RunRequest) -> list[str] | None:
+    """The projects a run was asked for (one project, or those a session's observations belong to); None: the
+    worker picks the due ones itself."""
+    if req.project:
+        return [req.project]
+    if req.session_id:
+        rows = await ctx.store.fetchall("SELECT DISTINCT project FROM memories WHERE session_id = ?"
+                                        " AND kind = 'observation'", (req.session_id,))
+        return [r[0] for r in rows]
+    return None
 
 
 async def progress(db: aiosqlite.Connection, report: RunReport, items_in: int, items_out: int) -> None:

@@ -16,8 +16,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..memories import insert_memory, set_archived
-from .base import (
+from loomd.ingest.reading import clip
+from loomd.store.memories import insert_memory, set_archived
+from loomd.workers.base import (
     REFLECTION_KINDS,
     RunReport,
     RunRequest,
@@ -25,9 +26,9 @@ from .base import (
     add_edge,
     get_checkpoint,
     progress,
+    requested_projects,
     set_checkpoint,
 )
-from .text import clip
 
 VERBATIM_SHARE = 0.6
 LABELS = {"constraint": "Rules", "preference": "Preferences", "decision": "Decisions", "procedure": "Procedures",
@@ -85,13 +86,8 @@ class Digest:
     name = "digest"
 
     async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
-        if req.project:
-            projects = [req.project]
-        elif req.session_id:
-            rows = await ctx.store.fetchall("SELECT DISTINCT project FROM memories WHERE session_id = ?"
-                                            " AND kind = 'observation'", (req.session_id,))
-            projects = [r[0] for r in rows]
-        else:
+        projects = await requested_projects(ctx, req)
+        if projects is None:
             # Periodic: only projects whose durable memories changed (written, merged, archived) since their digest.
             marks = ",".join("?" * len(REFLECTION_KINDS))
             rows = await ctx.store.fetchall(
@@ -139,7 +135,7 @@ class Digest:
                 await add_edge(db, digest_id, row["id"], "derives_from")
             report.wrote("digest", id=digest_id, chars=len(text), budget=digest_budget, folded=len(older), text=text)
             if not dry_run:
-                await ctx.after_write(db, [digest_id])
+                await ctx.memories.derive(db, [digest_id])
         elif current:
             digest_id = current[0]["id"]
         stale = [r["id"] for r in current if r["id"] != digest_id]

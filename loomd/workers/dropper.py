@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from .base import RunReport, RunRequest, WorkerContext, progress
-from .gc import archive, working_set
+from loomd.workers.base import RunReport, RunRequest, WorkerContext, progress
+from loomd.workers.gc import archive, working_set
 
 
 class Dropper:

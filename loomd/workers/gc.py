@@ -15,9 +15,9 @@ from collections.abc import Iterable
 
 import aiosqlite
 
-from ..config import Config
-from ..memories import set_archived
-from .base import RunReport, RunRequest, WorkerContext, progress
+from loomd.config import Config
+from loomd.store.memories import set_archived
+from loomd.workers.base import RunReport, RunRequest, WorkerContext, progress
 
 OPEN_TASK_STATES = ("draft", "active")
 KIND_WEIGHT = {"constraint": 3.0, "preference": 3.0, "task": 2.5, "handoff": 2.5, "decision": 2.0, "procedure": 2.0,
@@ -84,7 +84,8 @@ class GC:
             await self.cap(db, cfg, now, protected, report, req.project)
             await self.stale_tasks(db, cfg, now, protected, report)
             await self.dangling_edges(db, report)
-            await self.purge_events(db, cfg, now, report)
+            if cfg.event_ttl_days > 0:
+                await self.purge_events(db, cfg, now, report)
             await progress(db, report, 0, report.items_out - before)
         report.detail["protected"] = len(protected)
 
@@ -95,19 +96,21 @@ class GC:
         await archive(db, sorted(ids - protected), "expired", report)
         if cfg.memory_ttl_days > 0:
             cutoff = now - cfg.memory_ttl_days * 86400
-            ids = await _ids(db, "SELECT id FROM memories WHERE archived_at IS NULL AND kind NOT IN ('digest', 'task')"
+            ids = await _ids(db, "SELECT id FROM memories WHERE archived_at IS NULL"
+                                 " AND kind NOT IN ('digest', 'task', 'evidence')"
                                  " AND max(updated, coalesce(CAST(last_hit AS REAL), 0)) < ?", (cutoff,))
             await archive(db, sorted(ids - protected), f"ttl: untouched for {cfg.memory_ttl_days:g} days", report)
 
     async def cap(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int], report: RunReport,
                   only: str | None) -> None:
-        async with db.execute("SELECT project, count(*) FROM memories WHERE archived_at IS NULL GROUP BY project"
-                              " HAVING count(*) > ?", (cfg.project_memory_cap,)) as cur:
+        # Evidence passages are the sessions' own record, kept like the events: the cap is on what was distilled.
+        async with db.execute("SELECT project, count(*) FROM memories WHERE archived_at IS NULL AND kind != 'evidence'"
+                              " GROUP BY project HAVING count(*) > ?", (cfg.project_memory_cap,)) as cur:
             over = [(r[0], r[1]) for r in await cur.fetchall() if only is None or r[0] == only]
         for project, count in over:
             async with db.execute(
                 "SELECT id, kind, importance, hits, max(updated, coalesce(CAST(last_hit AS REAL), 0)) FROM memories"
-                " WHERE project = ? AND archived_at IS NULL", (project,)) as cur:
+                " WHERE project = ? AND archived_at IS NULL AND kind != 'evidence'", (project,)) as cur:
                 rows = await cur.fetchall()
             ranked = sorted((value(r[1], r[2], r[3], r[4], now, cfg.recency_half_life_days), r[0])
                             for r in rows if r[0] not in protected)

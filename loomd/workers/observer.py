@@ -1,4 +1,4 @@
-"""The observer: a session's unobserved events -> observations, one chunk per transaction.
+"""The observer: a session's unobserved events -> observations and evidence passages, one chunk per transaction.
 
 Due when a session has `observe_after_tokens` of unobserved events, when it ended, compacted or went quiet
 (`observe_idle_s` without a new event), or when asked. The watermark `observer:<session>` is the last event id
@@ -11,9 +11,9 @@ import logging
 import time
 from collections import Counter
 
-from ..distill import ModelClient, ModelDistiller
-from ..errors import ModelError
-from .base import (
+from loomd.errors import ModelError
+from loomd.store.memories import insert_memory
+from loomd.workers.base import (
     RunReport,
     RunRequest,
     WatermarkMoved,
@@ -23,8 +23,10 @@ from .base import (
     set_checkpoint,
     write_observation,
 )
-from .rules import observe
-from .steps import SourceEvent
+from loomd.workers.evidence import EVIDENCE_IMPORTANCE, evidence_of
+from loomd.workers.model import ModelClient, ModelDistiller
+from loomd.workers.rules import observe
+from loomd.workers.steps import SourceEvent, to_steps
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,7 @@ class Observer:
                     origin = "observer:model"
             if observations is None:
                 observations = observe(events, context, final=final and last_chunk)
+            evidence = evidence_of(to_steps([*context, *events]), {e.id for e in events})
             new_ids: list[int] = []
             async with ctx.write(req.dry_run) as db:
                 if await get_int_checkpoint(db, watermark_name(session_id)) != watermark:
@@ -156,8 +159,17 @@ class Observer:
                         new_ids.append(memory_id)
                     report.wrote("observation" if is_new else "observation_seen_again", id=memory_id,
                                  session_id=session_id, type=obs.type, text=obs.text, sources=obs.sources)
-                if new_ids and not req.dry_run:
-                    await ctx.after_write(db, new_ids)
+                passages = []
+                for item in evidence:
+                    passage_id, is_new = await insert_memory(
+                        db, kind="evidence", text=item.text, project=project, scope="session", session_id=session_id,
+                        agent=agent, importance=EVIDENCE_IMPORTANCE, created=item.ts, origin="evidence",
+                        sources=item.sources)
+                    if is_new:
+                        passages.append(passage_id)
+                report.detail["evidence"] = report.detail.get("evidence", 0) + len(passages)
+                if (new_ids or passages) and not req.dry_run:
+                    await ctx.memories.derive(db, new_ids + passages)
                 await set_checkpoint(db, watermark_name(session_id), str(events[-1].id))
                 await progress(db, report, len(events), len(observations))
             report.items_in += len(events)

@@ -26,9 +26,9 @@ from typing import Any
 
 import aiosqlite
 
-from ..embed import from_blob
-from ..memories import content_hash, insert_memory
-from .base import (
+from loomd.store.memories import content_hash, insert_memory
+from loomd.vectors.embed import from_blob
+from loomd.workers.base import (
     REFLECTION_KINDS,
     RunReport,
     RunRequest,
@@ -39,10 +39,11 @@ from .base import (
     get_int_checkpoint,
     meta_of,
     progress,
+    requested_projects,
     set_checkpoint,
     sources_of,
 )
-from .text import RATIONALE, content_words, cosine, jaccard, polarity, text_key
+from loomd.workers.text import RATIONALE, content_words, cosine, jaccard, polarity, text_key
 
 AT_ONCE = frozenset({"constraint", "preference", "pitfall", "decision", "todo"})
 SAME_JACCARD = 0.7
@@ -200,13 +201,8 @@ class Reflector:
                 if r[0] in woken or r[1] >= cfg.reflect_after_tokens or r[4] or r[3] < quiet_before]
 
     async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
-        if req.project:
-            projects = [req.project]
-        elif req.session_id:
-            rows = await ctx.store.fetchall("SELECT DISTINCT project FROM memories WHERE session_id = ?"
-                                            " AND kind = 'observation'", (req.session_id,))
-            projects = [r[0] for r in rows]
-        else:
+        projects = await requested_projects(ctx, req)
+        if projects is None:
             projects = await self.due_projects(ctx, req.keys)
         for project in projects:
             wrote = 0
@@ -291,7 +287,7 @@ class Reflector:
             if created is not None:
                 new_ids.append(created)
         if new_ids and not dry_run:
-            await ctx.after_write(db, new_ids)
+            await ctx.memories.derive(db, new_ids)
         await set_checkpoint(db, f"reflector:{project}", str(fresh[-1]["id"]))
         await progress(db, report, len(fresh), len(new_ids))
         report.items_in += len(fresh)

@@ -12,36 +12,24 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .steps import (
+from loomd.ingest.reading import (
     EDIT_TOOLS,
     PLUMBING,
     PR_URL,
     PROCEDURE_COMMAND,
     TEST_COMMAND,
     TEST_FAILED,
-    Observation,
-    SourceEvent,
-    Step,
+    clip,
     command_heads,
     commit_subject,
     first_error_line,
     short_command,
     test_summary,
-    to_steps,
-)
-from .text import (
-    ACK,
-    FILLER,
-    classify_assistant_sentence,
-    classify_user_sentence,
-    clip,
-    content_words,
-    jaccard,
-    sentences,
-    summary_sentence,
     tick,
-    user_sentences,
 )
+from loomd.ingest.sentences import ACK, classify_user_sentence, sentences, user_sentences
+from loomd.workers.steps import Observation, SourceEvent, Step, to_steps
+from loomd.workers.text import FILLER, classify_assistant_sentence, content_words, jaccard, summary_sentence
 
 # Failures of the environment, not of the code: a command that then works differently is a lesson.
 ENVIRONMENT = re.compile(

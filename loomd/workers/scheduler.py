@@ -19,22 +19,22 @@ import datetime as dt
 import json
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-from ..errors import BadRequest
-from ..ingest import Event
-from .base import RunReport, RunRequest, WorkerContext
-from .digest import Digest
-from .dropper import Dropper
-from .gc import GC
-from .observer import Observer
-from .reflector import Reflector
-
-if TYPE_CHECKING:
-    from ..daemon import Daemon
+from loomd.config import Config
+from loomd.errors import BadRequest
+from loomd.ingest.events import Event
+from loomd.store.db import Store
+from loomd.store.memories import MemoryWriter
+from loomd.workers.base import RunReport, RunRequest, WorkerContext
+from loomd.workers.digest import Digest
+from loomd.workers.dropper import Dropper
+from loomd.workers.gc import GC
+from loomd.workers.observer import Observer
+from loomd.workers.reflector import Reflector
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,10 @@ WORKERS: tuple[type[Worker], ...] = (Observer, Reflector, Dropper, Digest, GC)
 
 
 class Scheduler:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, store: Store, config: Callable[[], Config], memories: MemoryWriter) -> None:
+        self.store = store
+        self.config = config
+        self.memories = memories
         self.workers: dict[str, Worker] = {cls.name: cls() for cls in WORKERS}
         self.locks = {name: asyncio.Lock() for name in self.workers}
         self.pending: dict[str, set[str]] = {name: set() for name in self.workers}
@@ -61,21 +63,21 @@ class Scheduler:
         self.aps: AsyncIOScheduler | None = None
         self.running: set[asyncio.Task[Any]] = set()
         self.stopping = False
-        self.ctx = WorkerContext(daemon.store, lambda: daemon.config, daemon.after_memory_write, self.wake)
+        self.ctx = WorkerContext(store, config, memories, self.wake)
 
     @property
     def passive(self) -> bool:
-        return bool(self.d.config.passive)
+        return bool(self.config().passive)
 
     async def start(self) -> None:
-        async with self.d.store.atomic() as db:
+        async with self.store.atomic() as db:
             await db.execute("UPDATE jobs SET outcome = 'interrupted', ended = ?, error = ? WHERE outcome = 'running'",
                              (time.time(), "the daemon stopped before this run finished; nothing it did was kept"
                                            " beyond its last committed chunk"))
         if self.passive:
             log.info("passive mode: no background workers")
             return
-        interval = max(1.0, float(self.d.config.worker_interval_s))
+        interval = max(1.0, float(self.config().worker_interval_s))
         self.aps = AsyncIOScheduler(timezone=dt.UTC)
         first = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=interval)
         for name in self.workers:
@@ -104,7 +106,7 @@ class Scheduler:
         """EventWriter listener (after commit): count tokens per session; wake the observer when one is due."""
         if self.passive or self.stopping:
             return
-        threshold = self.d.config.observe_after_tokens
+        threshold = self.config().observe_after_tokens
         for event in events:
             if not event.stored:
                 continue
@@ -164,7 +166,7 @@ class Scheduler:
             else:
                 outcome = "dry_run" if dry_run else ("ok" if report.items_in or report.items_out else "noop")
                 if report.items_out and not dry_run:
-                    self.d.memories_changed()
+                    self.memories.changed()
             finally:
                 if task is not None:
                     self.running.discard(task)
@@ -181,7 +183,7 @@ class Scheduler:
     async def _begin(self, req: RunRequest, started: float) -> int:
         detail = {"trigger": req.trigger, "dry_run": req.dry_run, "keys": sorted(req.keys)[:20],
                   "project": req.project}
-        async with self.d.store.atomic() as db:
+        async with self.store.atomic() as db:
             cur = await db.execute(
                 "INSERT INTO jobs (worker, session_id, started, outcome, trigger, detail) VALUES (?,?,?,?,?,?)",
                 (req.worker, req.session_id, started, "running", req.trigger, _json(detail)))
@@ -189,7 +191,7 @@ class Scheduler:
 
     async def _end(self, report: RunReport, outcome: str, error: str | None) -> None:
         try:
-            async with self.d.store.atomic() as db:
+            async with self.store.atomic() as db:
                 await db.execute(
                     "UPDATE jobs SET ended = ?, items_in = ?, items_out = ?, outcome = ?, error = ?,"
                     " detail = json_patch(detail, ?) WHERE id = ?",
@@ -203,9 +205,9 @@ class Scheduler:
     async def status(self) -> dict[str, Any]:
         out = []
         for name in self.workers:
-            last = await self.d.store.fetchone("SELECT * FROM jobs WHERE worker = ? ORDER BY id DESC LIMIT 1",
+            last = await self.store.fetchone("SELECT * FROM jobs WHERE worker = ? ORDER BY id DESC LIMIT 1",
                                                (name,))
-            failed = await self.d.store.fetchone(
+            failed = await self.store.fetchone(
                 "SELECT id, started, error FROM jobs WHERE worker = ? AND outcome = 'error' ORDER BY id DESC LIMIT 1",
                 (name,))
             job = self.aps.get_job(name) if self.aps is not None and self.aps.running else None
@@ -219,7 +221,7 @@ class Scheduler:
                 "last_error": None if failed is None else {"job_id": failed[0], "started": failed[1],
                                                            "error": failed[2]},
             })
-        return {"passive": self.passive, "interval_s": self.d.config.worker_interval_s, "workers": out}
+        return {"passive": self.passive, "interval_s": self.config().worker_interval_s, "workers": out}
 
 
 def _json(value: Any) -> str:

@@ -1,0 +1,352 @@
+"""The context planner: selects what each block shows (every query it needs), freezes the start block per
+session, tracks what was injected, recalls per prompt. Rendering is `render.py`'s, pure."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from loomd.config import Config
+from loomd.context.render import (
+    START_GROUPS,
+    Line,
+    hook_output,
+    is_trivial,
+    line_of,
+    project_label,
+    render_compact_block,
+    render_recall_block,
+    render_start_block,
+)
+from loomd.ingest.events import Event
+from loomd.search.retrieval import Hit, covered_terms
+from loomd.store.db import Store
+from loomd.store.entities import extract_entities
+from loomd.store.tasks import OPEN_STATES
+
+log = logging.getLogger(__name__)
+
+Search = Callable[..., Awaitable[list[Hit]]]
+
+
+PROMPT_FTS_BUDGET = 2000  # memories the prompt hook's full-text query may score (retrieval.prune_terms)
+KEYWORD_TOP = 3  # without a cosine, only the best few keyword hits are candidates at all
+FOLLOW_UP_TIMEOUT_S = 10.0
+MAX_FOLLOW_UPS = 256  # sessions with a semantic recall waiting for its tool result
+
+
+def relevant(hit: Hit, min_score: float, prompt: str) -> bool:
+    """Inject a hit only when the meaning matches: a close vector, or a keyword hit that is not far off.
+
+    Without a cosine (the keyword recall, or no embedder) a hit must be a top keyword hit that names one of the
+    prompt's entities or holds most of the prompt's words.
+    """
+    vec, fts = hit.signals.get("vec"), hit.signals.get("fts")
+    if vec is not None:
+        return vec.score >= min_score or (fts is not None and vec.score >= min_score - 0.15)
+    if fts is None or fts.rank > KEYWORD_TOP:
+        return False
+    text = hit.memory["text"]
+    if prompt_entities(prompt) & {name for name, _ in extract_entities(text)}:
+        return True
+    held, terms = covered_terms(prompt, text)
+    return terms > 0 and held >= min(terms, max(2, min(5, math.ceil(0.4 * terms))))
+
+
+@functools.lru_cache(maxsize=64)
+def prompt_entities(prompt: str) -> frozenset[str]:
+    """The prompt's entity names (asked once per hit, so kept for the few prompts in flight)."""
+    return frozenset(name for name, _ in extract_entities(prompt))
+
+
+class Planner:
+    """What the hooks inject. A prompt's recall comes in two steps, so the agent never waits for an embedding: the
+    keyword signals answer inside the UserPromptSubmit hook (about a millisecond), while the hybrid search runs in
+    the background; what it adds is delivered with the session's next tool result (PostToolUse), which both
+    clients accept `additionalContext` on. `prompt_semantic_inline` waits for the hybrid search in the hook."""
+
+    def __init__(
+        self, store: Store, config: Callable[[], Config], search: Search, semantic: Callable[[], bool],
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.search = search
+        self.semantic = semantic  # whether vector search can answer now
+        self._follow_ups: dict[str, asyncio.Task[list[Line]]] = {}
+        # Injected ids whose write has not committed yet: already part of the session's set for the next recall.
+        self._marking: dict[str, list[int]] = {}
+        self._freezing: dict[str, str] = {}  # start blocks rendered, not committed yet
+        self._mark_tasks: set[asyncio.Task[None]] = set()
+
+    async def for_hook(self, event: Event, deadline_ms: int, written: Awaitable[Any] | None = None) -> str:
+        """The stdout of a SessionStart / UserPromptSubmit hook, or "" if nothing fits or time ran out.
+
+        `written`: the event's own write, still running; the reads overlap it, the planner's writes wait for it
+        (they update the session row it may create). It is never cancelled here, even when time runs out."""
+        try:
+            text = await asyncio.wait_for(self._for_hook(event, written), max(deadline_ms, 1) / 1000)
+        except TimeoutError:
+            log.warning("context for %s in session %s missed its %d ms deadline", event.kind, event.session_id,
+                        deadline_ms)
+            return ""
+        return hook_output(event.kind, text)
+
+    async def _for_hook(self, event: Event, written: Awaitable[Any] | None) -> str:
+        if event.kind == "SessionStart":
+            if event.payload.get("source") == "compact":
+                return (await self.compact(event.session_id, event.project, written))[0]
+            return (await self.start(event.session_id, event.project, event.agent, written))[0]
+        if event.kind == "UserPromptSubmit" and isinstance(event.payload.get("prompt"), str):
+            inline = self.config().prompt_semantic_inline
+            return (await self.recall(event.session_id, event.project, event.payload["prompt"], inline,
+                                      written))[0]
+        return ""
+
+    async def after_event(self, event: Event, written: Awaitable[Any] | None = None) -> str:
+        """For any other hook: the stdout of a tool result that carries a finished follow-up recall, else "".
+        `written`: the event's own write, as for `for_hook`."""
+        if event.kind in ("Stop", "SessionEnd"):
+            # The turn ended without a tool call: what was found for its prompt is stale now.
+            self._drop_follow_up(event.session_id)
+            return ""
+        if event.kind not in ("PostToolUse", "PostToolUseFailure"):
+            return ""
+        task = self._follow_ups.get(event.session_id)
+        if task is None or not task.done():
+            return ""  # still searching: the next tool result gets it, the agent never waits
+        del self._follow_ups[event.session_id]
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                log.warning("follow-up recall for session %s failed: %r", event.session_id, task.exception())
+            return ""
+        seen = await self._injected(event.session_id)
+        lines = [line for line in task.result() if line.id not in seen]
+        cfg = self.config()
+        text, ids = render_recall_block(lines, cfg.prompt_block_chars, cfg.prompt_block_lines)
+        self._mark_later(event.session_id, ids, written)
+        return hook_output(event.kind, text)
+
+    def _drop_follow_up(self, session_id: str) -> None:
+        task = self._follow_ups.pop(session_id, None)
+        if task is not None:
+            task.cancel()
+
+    def _follow_up(self, session_id: str, project: str, prompt: str) -> None:
+        """The prompt's hybrid search, in the background; replaces the session's previous one."""
+        self._drop_follow_up(session_id)
+        while len(self._follow_ups) >= MAX_FOLLOW_UPS:  # sessions that never made a tool call
+            self._drop_follow_up(next(iter(self._follow_ups)))
+        self._follow_ups[session_id] = asyncio.create_task(self._search_later(session_id, project, prompt))
+
+    async def _search_later(self, session_id: str, project: str, prompt: str) -> list[Line]:
+        await asyncio.sleep(0)  # the hook's reply goes out first: the agent is waiting for it
+        return await asyncio.wait_for(self._recall_lines(session_id, project, prompt, keyword_only=False),
+                                    FOLLOW_UP_TIMEOUT_S)
+
+    async def close(self) -> None:
+        """Stop the follow-ups; let the injected marks commit."""
+        for session_id in list(self._follow_ups):
+            self._drop_follow_up(session_id)
+        await asyncio.gather(*self._mark_tasks, return_exceptions=True)
+
+    async def _injected(self, session_id: str) -> set[int]:
+        raw = await self.store.scalar("SELECT injected FROM sessions WHERE id = ?", (session_id,))
+        return (set(json.loads(raw)) if raw else set()) | set(self._marking.get(session_id, ()))
+
+    def _mark_later(
+        self, session_id: str, ids: list[int], written: Awaitable[Any] | None, freeze: str | None = None,
+    ) -> None:
+        """Note `ids` as injected (and `freeze` as the session's start block): in memory at once, in the database
+        after the hook has its answer, so the commit's fsync stays off the agent's path. A crash before that commit
+        may let a memory be injected once more, or a resumed session's start block be rendered anew."""
+        if not ids and freeze is None:
+            return
+        self._marking.setdefault(session_id, []).extend(ids)
+        task = asyncio.create_task(self._mark_injected(session_id, ids, written, freeze))
+        self._mark_tasks.add(task)
+
+        def marked(_: asyncio.Task[None]) -> None:
+            self._mark_tasks.discard(task)
+            left = self._marking.get(session_id, [])
+            for memory_id in ids:
+                left.remove(memory_id)
+            if not left:
+                self._marking.pop(session_id, None)
+            if freeze is not None and self._freezing.get(session_id) == freeze:
+                del self._freezing[session_id]
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("could not note what session %s was shown: %s", session_id, task.exception())
+
+        task.add_done_callback(marked)
+
+    async def _mark_injected(
+        self, session_id: str, ids: list[int], written: Awaitable[Any] | None = None, freeze: str | None = None,
+    ) -> None:
+        await _durable(written)
+        async with self.store.atomic() as db:  # one commit: the block frozen and its ids marked together
+            if freeze is not None:
+                await db.execute("UPDATE sessions SET start_block = ? WHERE id = ? AND start_block IS NULL",
+                                 (freeze, session_id))
+            await _mark(db, session_id, ids)
+
+    async def start(
+        self, session_id: str, project: str, agent: str, written: Awaitable[Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """Rendered once per session, then returned byte for byte (resume included): the prefix stays cacheable."""
+        frozen = self._freezing.get(session_id)
+        if frozen is None:
+            row = await self.store.fetchone("SELECT start_block FROM sessions WHERE id = ?", (session_id,))
+            frozen = row[0] if row is not None else None
+        if frozen is not None:
+            return frozen, []
+        lines, counts = await start_lines(self.store, project)
+        text, ids = render_start_block(project_label(project), lines, counts, self.config().start_block_budget(agent))
+        if self._freezing.setdefault(session_id, text) != text:
+            return self._freezing[session_id], []  # a concurrent start rendered first; its block is the session's
+        self._mark_later(session_id, ids, written, freeze=text)
+        return text, ids
+
+    async def preview_start(self, project: str, agent: str) -> tuple[str, list[int]]:
+        """The start block a new session of `project` would get now; nothing is frozen or marked."""
+        lines, counts = await start_lines(self.store, project)
+        return render_start_block(project_label(project), lines, counts, self.config().start_block_budget(agent))
+
+    async def compact(
+        self, session_id: str, project: str, written: Awaitable[Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        budget = self.config().reflection_context_max_tokens * 4
+        lines = await session_lines(self.store, session_id, project, budget)
+        text, ids = render_compact_block(project_label(project), lines, budget)
+        self._mark_later(session_id, ids, written)
+        return text, ids
+
+    async def recall(
+        self, session_id: str, project: str, prompt: str, inline: bool = True, written: Awaitable[Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """Relevant memories for a prompt that this session has not seen yet; nothing rather than noise.
+
+        `inline`: the hybrid search, waited for. Otherwise the keyword recall now and the hybrid search as a
+        follow-up for the next tool result (when vectors can answer at all)."""
+        if is_trivial(prompt):
+            self._drop_follow_up(session_id)
+            return "", []
+        cfg = self.config()
+        deferred = not inline and self.semantic()
+        seen, lines = await asyncio.gather(self._injected(session_id),
+                                           self._recall_lines(session_id, project, prompt, keyword_only=deferred))
+        if deferred:  # started after the keyword recall, whose reads it would otherwise queue behind
+            self._follow_up(session_id, project, prompt)
+        text, ids = render_recall_block([line for line in lines if line.id not in seen], cfg.prompt_block_chars,
+                                        cfg.prompt_block_lines)
+        self._mark_later(session_id, ids, written)
+        return text, ids
+
+    async def _recall_lines(self, session_id: str, project: str, prompt: str, keyword_only: bool) -> list[Line]:
+        """The prompt's relevant hits from other sessions: hybrid search, or (`keyword_only`) full text with recency
+        and recurrence — nothing to embed, and no graph walk (at 10k memories it costs more than the full-text
+        search; whether a top hit names one of the prompt's entities is checked on the hit). The keyword budget is
+        tighter than search's: the commonest words stop ranking sooner (coverage still counts them), which keeps
+        this at ~3 ms with 100k memories."""
+        keyword = {"weights": {"vec": 0, "graph": 0}, "tuning": {"fts_budget": PROMPT_FTS_BUDGET}}
+        hits = await self.search(query=prompt[:2000], limit=12, project=project, **(keyword if keyword_only else {}))
+        min_score = self.config().prompt_min_score  # only a hit with a cosine is measured against it
+        return [_recall_line(h.memory) for h in hits
+                if _foreign(h.memory, session_id) and relevant(h, min_score, prompt)]
+
+async def _durable(written: Awaitable[Any] | None) -> None:
+    """Wait for the event's own write, shielded: a context deadline must never cancel an event's write."""
+    if written is not None:
+        await asyncio.shield(written)
+
+
+async def _mark(db: Any, session_id: str, ids: list[int]) -> None:
+    """Add `ids` to the session's injected set, inside the caller's transaction."""
+    if not ids:
+        return
+    async with db.execute("SELECT injected FROM sessions WHERE id = ?", (session_id,)) as cur:
+        row = await cur.fetchone()
+    if row is None:
+        return
+    merged = sorted(set(json.loads(row[0] or "[]")) | set(ids))
+    await db.execute("UPDATE sessions SET injected = ? WHERE id = ?", (json.dumps(merged), session_id))
+    marks = ",".join("?" * len(ids))
+    # An injected memory is in the working set: GC and the dropper leave it alone.
+    await db.execute(f"UPDATE memories SET last_hit = strftime('%s','now') WHERE id IN ({marks})", ids)
+
+
+def _foreign(hit: dict[str, Any], session_id: str) -> bool:
+    # This session's own memories are still in the agent's context (a capture of this very prompt among them);
+    # after compaction the compact block restores them.
+    return hit.get("session_id") != session_id
+
+
+def _recall_line(hit: dict[str, Any]) -> Line:
+    return Line(hit["id"], hit["kind"], hit["created"], hit["text"])
+
+
+# --- selection ----------------------------------------------------------------------------------------------------
+
+async def start_lines(store: Store, project: str, now: float | None = None) -> tuple[list[Line], dict[str, int]]:
+    """Memories for the start block, in priority order, and the project's counts by kind."""
+    now = now or time.time()
+    # `project = ?` (never `OR scope = 'user'`, which defeats every index): user-scope memories live in project
+    # "user" and are read with a second, equally indexed query.
+    projects = (project, "user") if project != "user" else (project,)
+    base = ("FROM memories WHERE project = ? AND archived_at IS NULL AND superseded_by IS NULL"
+            " AND (expires IS NULL OR expires > ?)")
+    # The covering (project, kind, archived_at) index answers this without the table, in kind order per project.
+    counts: dict[str, int] = {}
+    for kind, n in await store.fetchall(" UNION ALL ".join(
+            "SELECT kind, count(*) FROM memories WHERE project = ? AND archived_at IS NULL"
+            " AND kind NOT IN ('observation', 'evidence') GROUP BY kind" for _ in projects), projects):
+        counts[kind] = counts.get(kind, 0) + n
+    # One subquery per kind and project walks the (project, kind, importance, updated) index and stops at 12 rows
+    # (a single `kind IN (...)` query would sort every memory of those kinds: hundreds of ms at 100k memories);
+    # all of them in one statement, because each round trip to the reader thread costs more than the query.
+    parts = [(kind, name) for _group, kinds in START_GROUPS for kind in kinds for name in projects]
+    sql = " UNION ALL ".join(
+        f"SELECT * FROM (SELECT * {base} AND kind = ? ORDER BY importance DESC, updated DESC, id DESC LIMIT 12)"
+        for _ in parts)
+    by_kind: dict[str, list[Any]] = {}
+    for row in await store.fetchall(sql, [p for kind, name in parts for p in (name, now, kind)]):
+        by_kind.setdefault(row["kind"], []).append(row)
+    lines: list[Line] = []
+    for _group, kinds in START_GROUPS:
+        rows = [row for kind in kinds for row in by_kind.get(kind, [])]
+        rows.sort(key=lambda r: (-r["importance"], -r["updated"], -r["id"]))
+        for row in rows[:12]:
+            if row["kind"] == "task" and json.loads(row["meta"] or "{}").get("state", "draft") not in OPEN_STATES:
+                continue
+            if row["kind"] == "digest":
+                # The digest is many lines folded into one memory; one line here points at it.
+                lines.append(Line(row["id"], "digest", row["created"], row["text"].split("\n", 1)[0]))
+                continue
+            lines.append(line_of(row))
+    return lines, counts
+
+
+async def session_lines(store: Store, session_id: str, project: str, char_budget: int) -> list[Line]:
+    """After compaction: the session's own observations and captures, newest last, then the digest."""
+    rows = await store.fetchall(
+        "SELECT * FROM memories WHERE session_id = ? AND archived_at IS NULL ORDER BY created, id", (session_id,))
+    lines = [line_of(r) for r in rows]
+    digest = await store.fetchall(
+        "SELECT * FROM memories WHERE project = ? AND kind = 'digest' AND archived_at IS NULL"
+        " ORDER BY updated DESC LIMIT 1", (project,))
+    for row in digest:
+        lines.extend(Line(row["id"], "digest", row["created"], part) for part in row["text"].splitlines() if part)
+    # Keep the newest that fit.
+    kept: list[Line] = []
+    used = 0
+    for line in reversed(lines):
+        used += len(line.text) + 20
+        if used > char_budget:
+            break
+        kept.append(line)
+    return list(reversed(kept))

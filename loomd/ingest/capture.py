@@ -1,0 +1,281 @@
+"""Zero-LLM auto-capture: the rules that turn a committed event into a memory, on the ingest path.
+
+Every rule is one row of RULES (name, memory kind, importance, what fires it). They run inside the ingest
+transaction, so a captured memory commits with its source event or not at all. Plumbing never fires.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiosqlite
+
+from loomd.ingest.events import Event
+from loomd.ingest.reading import (
+    EDIT_TOOLS,
+    PLUMBING,
+    SHELL_TOOLS,
+    TEST_COMMAND,
+    clip,
+    commit_subject,
+    failed_output,
+    first_error_line,
+    response_text,
+    shell_command,
+)
+from loomd.ingest.sentences import classify_user_sentence, user_sentences
+from loomd.store.memories import MemoryWriter, insert_memory
+
+MAX_TEXT = 200  # characters of a captured memory
+
+
+@dataclass
+class ToolRun:
+    """A finished tool call, whichever source (hook or transcript) delivered it."""
+
+    tool: str
+    command: str  # shell command, or "" for non-shell tools
+    path: str  # file path for edit tools
+    output: str
+    failed: bool
+
+
+@dataclass
+class SessionMemory:
+    """What the rules remember within a session: failing commands, to spot the fix and repeats."""
+
+    failures: dict[str, str] = field(default_factory=dict)  # command key -> first error line
+    error_counts: dict[str, int] = field(default_factory=dict)  # normalised error -> times seen
+
+
+@dataclass(frozen=True)
+class Capture:
+    rule: str
+    kind: str
+    text: str
+    importance: float
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    kind: str
+    importance: float
+    doc: str
+    fires: Callable[[ToolRun | None, str | None, SessionMemory], str | None]
+
+
+# --- parsing helpers (pure) -------------------------------------------------------------------------------------
+# What a tool call is (its command line, output, failure, commit subject, first error line) is read by the same
+# functions the observer uses (ingest/reading.py); what is here decides only what is worth capturing.
+
+SIGNIFICANT_FILE = re.compile(
+    r"(^|/)(pyproject\.toml|setup\.(py|cfg)|requirements[^/]*\.txt|package\.json|tsconfig[^/]*\.json|Cargo\.toml"
+    r"|go\.mod|Gemfile|Dockerfile[^/]*|docker-compose[^/]*|compose\.ya?ml|Makefile|CMakeLists\.txt|justfile"
+    r"|\.env\.example|README[^/]*|CHANGELOG[^/]*|CONTRIBUTING[^/]*|AGENTS\.md|CLAUDE\.md|[^/]+\.(toml|ini|cfg|ya?ml)"
+    r"|\.github/workflows/[^/]+|\.gitlab-ci\.yml|\.circleci/[^/]+|[^/]*migrations?/[^/]+|[^/]+\.sql"
+    r"|docs?/[^/]+\.(md|rst|txt))$",
+    re.IGNORECASE,
+)
+TEST_PASS = re.compile(r"\b(\d+ passed|all tests passed|tests? passed|ok \(\d+|PASS\b|test result: ok|0 failed)",
+                       re.IGNORECASE)
+
+
+def command_key(command: str) -> str:
+    """Commands that are 'the same command' for fix detection: the first two words, flags dropped."""
+    words = [w for w in command.strip().split() if not w.startswith("-")][:3]
+    return " ".join(words)
+
+
+def normalise_error(line: str) -> str:
+    """Numbers, paths and quotes vary between repeats of one error; strip them."""
+    line = re.sub(r"(/[\w.\-]+)+", "<path>", line)
+    line = re.sub(r"\b0x[0-9a-f]+\b|\b\d+\b", "<n>", line)
+    return re.sub(r"['\"`].*?['\"`]", "<s>", line).lower()
+
+
+# --- the rules --------------------------------------------------------------------------------------------------
+
+def _git_commit(run: ToolRun | None, _prompt: str | None, _s: SessionMemory) -> str | None:
+    if run is None or run.failed or not run.command:
+        return None
+    commit = commit_subject(run.command, run.output)
+    return f"Committed: {clip(commit[1], 180)}" if commit else None
+
+
+def _git_history(run: ToolRun | None, _prompt: str | None, _s: SessionMemory) -> str | None:
+    if run is None or run.failed or not run.command:
+        return None
+    c = run.command
+    for pattern, label in (
+        (r"\bgit\s+merge\s+(?!--abort)([\w./\-]+)", "Merged {}"),
+        (r"\bgit\s+rebase\s+(?!--(?:abort|continue|skip))(?:-i\s+)?([\w./\-~^]+)", "Rebased onto {}"),
+        (r"\bgit\s+tag\s+(?:-a\s+)?(?!-)([\w./\-]+)", "Tagged {}"),
+        (r"\bgit\s+(?:checkout\s+-b|switch\s+-c|branch)\s+(?!-)([\w./\-]+)", "New branch {}"),
+        (r"\bgit\s+worktree\s+add\s+(\S+)", "New worktree {}"),
+    ):
+        match = re.search(pattern, c)
+        if match:
+            return label.format(match.group(1))
+    return None
+
+
+def _significant_edit(run: ToolRun | None, _prompt: str | None, _s: SessionMemory) -> str | None:
+    if run is None or run.failed or run.tool not in EDIT_TOOLS or not run.path:
+        return None
+    return f"Edited {run.path}" if SIGNIFICANT_FILE.search(run.path) else None
+
+
+def _repeated_failure(run: ToolRun | None, _prompt: str | None, s: SessionMemory) -> str | None:
+    if run is None or not run.failed or not run.command or PLUMBING.match(run.command):
+        return None
+    line = first_error_line(run.output)
+    if not line:
+        return None
+    norm = normalise_error(line)
+    s.error_counts[norm] = s.error_counts.get(norm, 0) + 1
+    if s.error_counts[norm] != 2:  # the second time is a pattern; later repeats bump the same memory
+        return None
+    return f"Fails repeatedly: `{clip(run.command, 80)}` → {line}"
+
+
+def _fixed_after_failure(run: ToolRun | None, _prompt: str | None, s: SessionMemory) -> str | None:
+    if run is None or not run.command or PLUMBING.match(run.command):
+        return None
+    key = command_key(run.command)
+    if run.failed:
+        s.failures.setdefault(key, first_error_line(run.output))
+        return None
+    error = s.failures.pop(key, None)
+    if error is None or TEST_COMMAND.search(run.command):
+        return None  # test commands have their own rule
+    return f"Works: `{clip(run.command, 120)}` (after failing with: {clip(error, 60)})"
+
+
+def _tests_green(run: ToolRun | None, _prompt: str | None, s: SessionMemory) -> str | None:
+    if run is None or not run.command or not TEST_COMMAND.search(run.command):
+        return None
+    key = "test:" + command_key(run.command)
+    if run.failed:
+        s.failures.setdefault(key, first_error_line(run.output))
+        return None
+    error = s.failures.pop(key, None)
+    if error is None:
+        return None
+    passed = TEST_PASS.search(run.output)
+    suffix = f" ({passed.group(0)})" if passed else ""
+    return f"Tests green again: `{clip(run.command, 100)}`{suffix}; was failing: {clip(error, 60)}"
+
+
+def _user_rule(_run: ToolRun | None, prompt: str | None, _s: SessionMemory) -> str | None:
+    """The first sentence of the user's own prompt that lays down a rule or states a preference (the observer's
+    reading of a user sentence, `loomd.ingest.sentences`)."""
+    if not prompt:
+        return None
+    for sentence in user_sentences(prompt):
+        if classify_user_sentence(sentence) in ("constraint", "preference"):
+            return clip(sentence)
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("git_commit", "decision", 0.7, "`git commit -m` with a subject → [D] the subject", _git_commit),
+    Rule("git_history", "fact", 0.5, "merge / rebase / tag / new branch / worktree → [F]", _git_history),
+    Rule("significant_edit", "fact", 0.4, "edit of a config, build, CI, docs or migration file → [F]",
+         _significant_edit),
+    Rule("repeated_failure", "error", 0.6, "the same error (normalised) a second time in a session → [E]",
+         _repeated_failure),
+    Rule("fixed_after_failure", "procedure", 0.7, "a command that succeeds after it failed → [P]",
+         _fixed_after_failure),
+    Rule("tests_green", "procedure", 0.7, "a test command passing after it failed → [P]", _tests_green),
+    Rule("user_rule", "constraint", 0.9, "a sentence of the user's own prompt that lays down a rule → [C]",
+         _user_rule),
+)
+
+
+def evaluate(run: ToolRun | None, prompt: str | None, state: SessionMemory) -> list[Capture]:
+    """Every rule's verdict on one event (pure apart from the session state it updates)."""
+    out = []
+    for rule in RULES:
+        text = rule.fires(run, prompt, state)
+        if text:
+            kind = "preference" if rule.name == "user_rule" and re.search(r"\bprefer", text, re.I) else rule.kind
+            out.append(Capture(rule.name, kind, text, rule.importance))
+    return out
+
+
+# --- wiring into ingest -------------------------------------------------------------------------------------------
+
+async def tool_run(db: aiosqlite.Connection, event: Event) -> ToolRun | None:
+    """A finished tool call from a PostToolUse hook or a transcript tool_result (its input looked up)."""
+    p = event.payload
+    if event.kind in ("PostToolUse", "PostToolUseFailure"):
+        tool, tool_input = str(p.get("tool_name") or ""), p.get("tool_input")
+        output, flagged = response_text(p.get("tool_response") or p.get("error"))
+        flagged = flagged or event.kind == "PostToolUseFailure"
+    elif event.kind == "tool_result" and event.tool_use_id:
+        async with db.execute("SELECT payload, tool_name FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
+                              (event.session_id, f"tu:{event.tool_use_id}")) as cur:
+            row = await cur.fetchone()
+        if row is None:
+            return None
+        use = json.loads(row[0])
+        tool, tool_input = str(row[1] or use.get("tool_name") or ""), use.get("tool_input")
+        output, flagged = str(p.get("text") or ""), bool(p.get("is_error"))
+    else:
+        return None
+    # A hook payload is whatever the agent (or anyone on the socket) sent: tool_input may be any JSON value.
+    tool_input = tool_input if isinstance(tool_input, dict) else {}
+    command = shell_command(tool_input) if tool in SHELL_TOOLS or "command" in tool_input else ""
+    path = str(tool_input.get("file_path") or tool_input.get("path") or tool_input.get("notebook_path") or "")
+    if tool == "apply_patch" and not path:
+        match = re.search(r"\*\*\* (?:Update|Add) File: (\S+)", str(tool_input.get("input", "")))
+        path = match.group(1) if match else ""
+    return ToolRun(tool, command, path, output, failed_output(output, flagged))
+
+
+def prompt_text(event: Event) -> str | None:
+    """The human user's prompt; a subagent's task prompt (a sidechain user line) is the agent's words, not theirs."""
+    if event.kind == "UserPromptSubmit" and isinstance(event.payload.get("prompt"), str):
+        return event.payload["prompt"]
+    if event.kind == "user_message" and isinstance(event.payload.get("text"), str) \
+            and not (event.payload.get("is_sidechain") or event.payload.get("agent_id")):
+        return event.payload["text"]
+    return None
+
+
+class Capturer:
+    """The ingest processor: applies RULES to each stored event, within a per-session rate limit."""
+
+    def __init__(self, rate_per_session: int, memories: MemoryWriter) -> None:
+        self.rate = rate_per_session
+        self.memories = memories
+        self.sessions: dict[str, SessionMemory] = {}
+        self.fired: dict[str, int] = {}
+
+    async def __call__(self, db: aiosqlite.Connection, events: Sequence[Event]) -> None:
+        for event in events:
+            run = await tool_run(db, event)
+            prompt = prompt_text(event)
+            if run is None and prompt is None:
+                continue
+            state = self.sessions.setdefault(event.session_id, SessionMemory())
+            for capture in evaluate(run, prompt, state):
+                await self._store(db, event, capture)
+
+    async def _store(self, db: aiosqlite.Connection, event: Event, capture: Capture) -> None:
+        rows = list(await db.execute_fetchall("SELECT captures FROM sessions WHERE id = ?", (event.session_id,)))
+        if rows and rows[0][0] >= self.rate:
+            return
+        memory_id, is_new = await insert_memory(
+            db, kind=capture.kind, text=capture.text, project=event.project, session_id=event.session_id,
+            agent=event.agent, importance=capture.importance, created=event.ts, origin=f"capture:{capture.rule}",
+            sources=[event.id] if event.id else [],
+        )
+        if is_new:
+            await db.execute("UPDATE sessions SET captures = captures + 1 WHERE id = ?", (event.session_id,))
+            await self.memories.derive(db, [memory_id])
+            self.fired[capture.rule] = self.fired.get(capture.rule, 0) + 1

@@ -1,0 +1,257 @@
+"""Hook and transcript events -> normalised, redacted, idempotent `Event`s (the writer commits them)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from loomd.errors import BadRequest
+from loomd.protocol import ArgSpec, take_args
+from loomd.redact import redact_value
+
+log = logging.getLogger(__name__)
+
+AGENTS = ("claude", "codex")
+LATEST_TS = 32503680000.0  # 3000-01-01: later (or NaN, or infinite) times are input errors
+# Events that carry the text worth remembering, and where it sits in the payload.
+TEXT_FIELDS = ("prompt", "last_assistant_message", "message", "custom_instructions", "last-assistant-message",
+               "compact_summary")
+
+
+@dataclass
+class Event:
+    """One normalised event, ready to insert. `key` is the idempotency key; `dedup` merges hook and transcript."""
+
+    key: str
+    agent: str
+    session_id: str
+    kind: str
+    source: str
+    ts: float
+    payload: dict[str, Any]
+    cwd: str | None = None
+    project: str = ""
+    transcript_path: str | None = None
+    tool_name: str | None = None
+    tool_use_id: str | None = None
+    dedup: str | None = None
+    id: int | None = None
+    stored: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Fields read from JSON text ("\ud800" is valid JSON) may hold a lone surrogate, which SQLite cannot store.
+        for name in ("key", "agent", "session_id", "kind", "source", "cwd", "project", "transcript_path", "tool_name",
+                     "tool_use_id", "dedup"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.isascii():
+                setattr(self, name, without_surrogates(value))
+
+    @property
+    def tokens(self) -> int:
+        return max(1, len(event_text(self)) // 4)
+
+
+MAX_DEPTH = 64  # deeper JSON is cut with a marker: every later walk (redaction, capture) then stays bounded
+_BREAKS = frozenset(" \t\r\n\"'`,;()[]{}<>|")
+CUT_BACKOFF = 512
+
+
+def clean_cut(text: str, limit: int) -> int:
+    """Where to cut `text` at most `limit` long: never inside a word, so no token or key is kept in part.
+
+    Truncation runs before redaction, and half a key no longer looks like a key: `AWS_SECRET_ACCESS_KEY=wJal…`
+    cut after 38 of its 40 characters would keep 38. A run longer than CUT_BACKOFF is cut where it stands.
+    """
+    cut = limit
+    if text[cut] in _BREAKS:
+        return cut
+    while cut > limit - CUT_BACKOFF and cut > 0 and text[cut - 1] not in _BREAKS:
+        cut -= 1
+    return cut if cut > limit - CUT_BACKOFF and cut > 0 else limit
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_surrogates(text: str) -> str:
+    """A lone UTF-16 surrogate (JSON may escape one) becomes U+FFFD: it has no UTF-8 form, so nothing could store
+    it. isascii() is a flag check in CPython, so ASCII text costs nothing."""
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def clean_strings(value: Any, max_chars: int, depth: int = 0) -> Any:
+    """Cut long strings and too-deep branches with a marker (oversized output is kept in part, never rejected), and
+    replace lone surrogates, in keys and values alike."""
+    if isinstance(value, str):
+        value = without_surrogates(value)
+        if len(value) > max_chars:
+            cut = clean_cut(value, max_chars)
+            return value[:cut] + f"…[truncated {len(value) - cut} chars]"
+        return value
+    if isinstance(value, dict | list) and depth >= MAX_DEPTH:
+        return f"…[truncated: nested deeper than {MAX_DEPTH} levels]"
+    if isinstance(value, dict):
+        return {without_surrogates(str(k)): clean_strings(v, max_chars, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clean_strings(v, max_chars, depth + 1) for v in value[:1000]]
+    return value
+
+
+def detect_agent(hint: str, payload: dict[str, Any]) -> str:
+    if hint in AGENTS:
+        return hint
+    transcript = str(payload.get("transcript_path") or "")
+    if "turn_id" in payload or "thread-id" in payload or "/rollout-" in transcript or "/.codex/" in transcript:
+        return "codex"
+    return "claude"
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:20]
+
+
+def prompt_dedup(text: str) -> str:
+    """Hook prompts and transcript user lines of one session merge on this."""
+    return "p:" + _short_hash(" ".join(text.split()))
+
+
+def parse_hook(
+    agent_hint: str, event_name: str, raw: bytes | str, eid: str | None, *, max_chars: int, now: float | None = None
+) -> Event:
+    """Turn the bytes a hook received into an Event; the shim parsed nothing, so every check happens here."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"hook payload is not valid UTF-8 (byte {exc.start})") from exc
+    else:
+        text = raw
+    try:
+        payload = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"hook payload is not valid JSON: {str(exc)[:200]}") from exc
+    if not isinstance(payload, dict):
+        raise BadRequest(f"hook payload must be a JSON object, got {type(payload).__name__}")
+    agent = detect_agent(agent_hint, payload)
+    kind = str(payload.get("hook_event_name") or event_name or "")
+    if payload.get("type") == "agent-turn-complete" or event_name == "notify":
+        kind = "TurnComplete"
+    if not kind:
+        raise BadRequest("hook event name missing: pass 'event' or include 'hook_event_name'")
+    session_id = str(payload.get("session_id") or payload.get("thread-id") or "")
+    if not session_id:
+        raise BadRequest("hook payload has no session_id")
+    payload = redact_value(clean_strings(payload, max_chars))
+    assert isinstance(payload, dict)
+    tool_use_id = payload.get("tool_use_id")
+    tool_use_id = str(tool_use_id) if tool_use_id else None
+    dedup = None
+    if tool_use_id and kind == "PostToolUse":
+        dedup = f"tr:{tool_use_id}"
+    elif tool_use_id and kind == "PreToolUse":
+        dedup = f"tu:{tool_use_id}"
+    elif kind == "UserPromptSubmit" and isinstance(payload.get("prompt"), str):
+        dedup = prompt_dedup(payload["prompt"])
+    key = f"eid:{eid}" if eid else "h:" + hashlib.sha256(
+        f"{agent}\0{kind}\0".encode() + (raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"))
+    ).hexdigest()
+    return Event(
+        key=key, agent=agent, session_id=session_id, kind=kind, source="hook",
+        ts=time.time() if now is None else now, payload=payload,
+        cwd=str(payload["cwd"]) if payload.get("cwd") else None,
+        transcript_path=str(payload["transcript_path"]) if payload.get("transcript_path") else None,
+        tool_name=str(payload["tool_name"]) if payload.get("tool_name") else None,
+        tool_use_id=tool_use_id, dedup=dedup,
+    )
+
+
+_EVENT_SPEC: dict[str, type | tuple[type, ...]] = {
+    "agent": str, "session_id": str, "kind": str, "payload": dict, "ts": (int, float), "cwd": str, "key": str,
+    "project": str, "tool_name": str, "tool_use_id": str, "source": str, "transcript_path": str,
+}
+
+
+def parse_normalised(obj: Any, *, max_chars: int) -> Event:
+    """An event a script or the transcript tailer already shaped: validate its fields and types."""
+    if not isinstance(obj, dict):
+        raise BadRequest(f"an event must be a map, got {type(obj).__name__}")
+    for name, kind in _EVENT_SPEC.items():
+        if name in obj and obj[name] is not None and not isinstance(obj[name], kind):
+            raise BadRequest(f"event field '{name}' has the wrong type ({type(obj[name]).__name__})")
+    unknown = set(obj) - set(_EVENT_SPEC) - {"dedup"}
+    if unknown:
+        raise BadRequest(f"unknown event field(s): {', '.join(sorted(map(str, unknown)))}")
+    for name in ("session_id", "kind"):
+        if not obj.get(name):
+            raise BadRequest(f"event field '{name}' is required")
+    if obj.get("ts") is not None and not 0 <= obj["ts"] <= LATEST_TS:
+        raise BadRequest(f"event field 'ts' must be a Unix time between 0 and {LATEST_TS:.0f}")
+    payload = redact_value(clean_strings(obj.get("payload") or {}, max_chars))
+    assert isinstance(payload, dict)
+    agent = str(obj.get("agent") or "script")
+    body = json.dumps(payload, sort_keys=True, ensure_ascii=False)
+    key = obj.get("key") or "n:" + _short_hash(f"{agent}\0{obj['session_id']}\0{obj['kind']}\0{obj.get('ts')}\0{body}")
+    return Event(
+        key=str(key), agent=agent, session_id=str(obj["session_id"]), kind=str(obj["kind"]),
+        source=str(obj.get("source") or "script"), ts=float(obj.get("ts") or time.time()), payload=payload,
+        cwd=obj.get("cwd"), project=str(obj.get("project") or ""), transcript_path=obj.get("transcript_path"),
+        tool_name=obj.get("tool_name"), tool_use_id=obj.get("tool_use_id"), dedup=obj.get("dedup"),
+    )
+
+
+def event_text(event: Event) -> str:
+    """The human-meaningful text of an event, for token counts, capture and the observer."""
+    p = event.payload
+    parts: list[str] = []
+    for name in TEXT_FIELDS:
+        if isinstance(p.get(name), str):
+            parts.append(p[name])
+    if isinstance(p.get("text"), str):
+        parts.append(p["text"])
+    if event.tool_name:
+        parts.append(f"{event.tool_name}: {json.dumps(p.get('tool_input'), ensure_ascii=False)[:500]}")
+    response = p.get("tool_response")
+    if isinstance(response, str):
+        parts.append(response[:2000])
+    elif isinstance(response, dict):
+        for name in ("stdout", "stderr", "output", "error", "content"):
+            if isinstance(response.get(name), str):
+                parts.append(response[name][:2000])
+    return "\n".join(parts)
+
+
+MAX_BATCH = 1000
+INGEST_ARGS: ArgSpec = {
+    "raw": ((bytes, str), None), "agent": (str, "auto"), "event": (str, ""), "eid": (str, None),
+    "events": (list, None), "item": (dict, None), "sent_at": (int, None),
+}
+
+
+def sent_at(ms: int | None) -> float | None:
+    """The shim's send time (ms) as the event's time: a spooled event keeps when it happened, not when replayed."""
+    return ms / 1000 if ms is not None and 0 < ms <= LATEST_TS * 1000 else None
+
+
+def events_from_args(args: dict[str, Any], *, max_chars: int) -> list[Event]:
+    """The `ingest` op's arguments (also what the spool holds): raw hook bytes plus agent and event name, one
+    normalised `item`, or a list of `events`."""
+    a = take_args(args, INGEST_ARGS)
+    events: list[Event] = []
+    if a["raw"] is not None:
+        events.append(parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=max_chars,
+                                 now=sent_at(a["sent_at"])))
+    if a["item"] is not None:
+        events.append(parse_normalised(a["item"], max_chars=max_chars))
+    for item in a["events"] or []:
+        events.append(parse_normalised(item, max_chars=max_chars))
+    if not events:
+        raise BadRequest("ingest needs 'raw' (hook bytes), 'item' (one event) or 'events' (a list)")
+    if len(events) > MAX_BATCH:
+        raise BadRequest(f"a batch holds at most {MAX_BATCH} events, got {len(events)}")
+    return events

@@ -1,0 +1,172 @@
+"""What a tool call means: its command line, its output, whether it failed, what it committed, which line names
+the error; which commands are plumbing. Read the same way at ingest (capture rules) and by the observer."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any
+
+CLIP_CHARS = 200
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """One line, at most `limit` characters (an ellipsis marks a cut)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def tick(command: str, limit: int = 80) -> str:
+    return "`" + clip(command.replace("`", "'"), limit) + "`"
+
+
+SHELL_TOOLS = frozenset({"Bash", "bash", "shell", "exec_command", "local_shell", "container.exec", "run_command"})
+EDIT_TOOLS = frozenset({"Edit", "MultiEdit", "Write", "NotebookEdit", "apply_patch", "edit_file", "write_file"})
+
+
+def shell_command(tool_input: Any) -> str:
+    """The command line of a shell tool call (Claude `command`, Codex `cmd` or argv lists)."""
+    if not isinstance(tool_input, dict):
+        return ""
+    cmd = tool_input.get("command", tool_input.get("cmd", ""))
+    if isinstance(cmd, list) and all(isinstance(c, str) for c in cmd):
+        if len(cmd) == 3 and cmd[0].rsplit("/", 1)[-1] in ("bash", "sh", "zsh") and cmd[1] in ("-lc", "-c"):
+            return cmd[2]
+        return shlex.join(cmd)
+    return cmd if isinstance(cmd, str) else ""
+
+
+_EXIT = re.compile(r'(?:^\s*Exit code:?\s*|"exit_code"\s*:\s*|exit (?:status|code) )(-?\d+)', re.IGNORECASE)
+
+
+def response_text(response: Any) -> tuple[str, bool]:
+    """The readable output of a tool call (hook `tool_response` of any shape), and whether it says it failed."""
+    if isinstance(response, str):
+        return response, False
+    if isinstance(response, dict):
+        parts = [response[k] for k in ("stdout", "stderr", "output", "error", "content", "message", "result")
+                 if isinstance(response.get(k), str) and response[k]]
+        flagged = bool(response.get("is_error") or response.get("isError") or response.get("success") is False
+                       or (isinstance(response.get("exit_code"), int) and response["exit_code"] != 0))
+        if not parts and isinstance(response.get("filePath"), str):
+            parts.append(f"File {response.get('type', 'written')}: {response['filePath']}")
+        return "\n".join(parts), flagged
+    if isinstance(response, list):
+        return "\n".join(str(b.get("text", "")) for b in response if isinstance(b, dict)), False
+    return "", False
+
+
+def failed_output(output: str, flagged: bool) -> bool:
+    if flagged:
+        return True
+    match = _EXIT.search(output[:2000])
+    return bool(match and match.group(1) != "0")
+
+
+# --- commands --------------------------------------------------------------------------------------------------
+
+_SEGMENT_SPLIT = re.compile(r"&&|\|\||;|\||\n|\(|\)|\$\(")
+_NOISE_PROGRAMS = frozenset({"cd", "source", ".", "export", "unset", "echo", "sleep", "set", "true", "false", "env",
+                             "time", "sudo", "exec", "then", "do", "done", "fi", "if", "else"})
+_MULTI = frozenset({"git", "gh", "npm", "pnpm", "yarn", "bun", "uv", "cargo", "go", "docker", "kubectl", "pip",
+                    "pip3", "poetry", "pdm", "make", "npx", "uvx", "python", "python3", "brew", "apt", "dotnet"})
+# Commands that only look around, move the shell or sync with a remote: their failures (an empty grep, `ls` of a
+# missing folder, a rejected push) say nothing worth keeping, and they never make a procedure. A `git commit` with
+# no message of its own (an editor, --amend) says nothing either. The one list for capture and the observer.
+PLUMBING = re.compile(
+    r"^\s*(?:ls|ll|cd|pwd|cat|head|tail|less|wc|tree|which|whoami|find|rg|grep|sed\s+-n|awk|echo|stat|file|du|df|"
+    r"jq|sleep|date|clear|history|env|printenv|true"
+    r"|git\s+(?:status|log|diff|show|branch|remote|push|pull|fetch|stash|add|restore|config|checkout\s+(?!-b)\S+$)"
+    r"|git\s+commit\b(?!.*\s(?:-\w*m|--message)\b))\b")
+
+
+TEST_COMMAND = re.compile(
+    r"\b(pytest|py\.test|tox|nox|unittest|(?:npm|pnpm|yarn|bun)\s+(?:run\s+)?test|jest|vitest|mocha|ava|"
+    r"cargo\s+(?:test|nextest)|go\s+test|mvn\s+(?:test|verify)|gradlew?\s+test|make\s+(?:test|check)|ctest|"
+    r"rspec|phpunit|dotnet\s+test|deno\s+test)\b")
+PROCEDURE_COMMAND = re.compile(
+    r"\b((?:npm|pnpm|yarn|bun)\s+(?:run\s+\w[\w:-]*|install|i|ci|dev|build|start|add)|make\s+\w+|"
+    r"cargo\s+(?:build|run|check|clippy|fmt)|go\s+(?:build|run|vet)|uv\s+(?:run|sync|pip\s+install|add)|"
+    r"pip3?\s+install|poetry\s+(?:install|run)|ruff\s+(?:check|format)|mypy|pyright|black|eslint|prettier|tsc|"
+    r"docker(?:\s+compose|-compose)?\s+(?:build|up|run)|act\b|vite\b|rackup|alembic\s+upgrade|"
+    r"python3?\s+-m\s+\w+|npx\s+\w+)")
+_TEST_SUMMARY = re.compile(
+    r"(\d+ (?:passed|failed|error(?:s)?|skipped)(?:, \d+ (?:passed|failed|errors?|skipped|deselected|warnings?))*"
+    r"|Tests?:?\s+(?:\d+ \w+ \| )*\d+ (?:passed|failed)(?: \| \d+ \w+)*(?: \(\d+\)|, \d+ total)?"
+    r"|test result: \w+\. \d+ passed; \d+ failed|All \d+ tests? pass\w*)", re.IGNORECASE)
+TEST_FAILED = re.compile(r"\b(\d+ failed|FAILED\b|FAIL\b|failures?=|\d+ errors?\b|Tests:.*failed)", re.IGNORECASE)
+_ERROR_LINE = re.compile(r"(error|exception|failed|failure|fatal|cannot|could not|can't|not found|no such|denied|"
+                         r"invalid|unknown|refused|timed? ?out|panic|unauthori[sz]ed|forbidden|missing|conflict|"
+                         r"\b(?:HTTP|status)[ :/]*[45]\d\d\b)", re.IGNORECASE)
+_COMMIT_RESULT = re.compile(r"^\[([\w./+-]+)(?: \(root-commit\))? ([0-9a-f]{7,40})\] (.+)$", re.MULTILINE)
+PR_URL = re.compile(r"https://github\.com/[\w.-]+/[\w.-]+/pull/\d+")
+
+
+def command_heads(command: str) -> set[str]:
+    """'git commit', 'pytest', 'npm run' …: what makes two command lines 'the same command'."""
+    heads: set[str] = set()
+    first_line = command.split("<<", 1)[0]
+    for segment in _SEGMENT_SPLIT.split(first_line):
+        words = [w for w in segment.strip().split() if w]
+        while words and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", words[0]) or words[0] in _NOISE_PROGRAMS):
+            if words[0] in ("source", ".", "cd", "unset", "export"):
+                words = []
+                break
+            words = words[1:]
+        if not words:
+            continue
+        prog = words[0].rsplit("/", 1)[-1]
+        if PLUMBING.match(prog) or prog in ("head", "tail", "xargs", "tee", "sort", "uniq", "cut", "tr"):
+            continue
+        rest = [w for w in words[1:] if not w.startswith("-") or w == "-m"]
+        if prog in _MULTI and len(rest) > 1 and rest[0] in ("run", "exec", "x", "-m", "test"):
+            heads.add(f"{prog} {rest[0]} {rest[1]}")
+        else:
+            heads.add(f"{prog} {rest[0]}" if prog in _MULTI and rest else prog)
+    return heads
+
+
+def short_command(command: str, limit: int = 80) -> str:
+    first = command.strip().split("\n", 1)[0]
+    if "<<" in first:
+        first = first.split("<<", 1)[0].rstrip() + " <<…"
+    return clip(first, limit)
+
+
+def first_error_line(output: str) -> str:
+    """The line that says what went wrong: the exception of a traceback, else the first line naming an error."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not re.match(r"^(Exit code:?\s*-?\d+|Wall time|Output:|<tool_use_error>|"
+                                                r"</?[a-z_-]+>$|\s*\^+\s*$|at\s|File \")", ln)]
+    if any(ln.startswith("Traceback") for ln in lines):
+        for ln in reversed(lines):
+            if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b", ln):
+                return clip(ln, 140)
+    for ln in lines:
+        if _ERROR_LINE.search(ln):
+            return clip(re.sub(r"</?tool_use_error>", "", ln), 140)
+    return clip(lines[0], 140) if lines else ""
+
+
+def commit_subject(command: str, output: str) -> tuple[str, str] | None:
+    """(sha, subject) of a `git commit`, from git's own `[branch sha] subject` line, else from the command's message
+    (`-m "…"`, `-am '…'`, or a heredoc `-m "$(cat <<'EOF' … EOF)"`); sha is "" when only the command said it."""
+    if not re.search(r"\bgit\b(?:\s+-\S+(?:\s+\S+)?)*\s+commit\b", command):
+        return None
+    match = _COMMIT_RESULT.search(output)
+    if match:
+        return match.group(2)[:7], match.group(3).strip()
+    subject = ""
+    message = re.search(r"""(?:\s-[a-zA-Z]*m|--message)(?:=|\s+)(?:"((?:[^"\\]|\\.)*)"|'([^']*)'|(\S+))""", command)
+    if message:
+        subject = next(g for g in message.groups() if g is not None)
+    if not message or subject.startswith("$"):  # `-m "$(cat <<EOF …"`; a bare `"$MSG"` says nothing
+        heredoc = re.search(r"<<'?(\w+)'?\s*\n(.*?)\n\s*\1", command, re.DOTALL)
+        subject = heredoc.group(2) if heredoc else ""
+    subject = subject.replace("\\n", "\n").strip()
+    return ("", subject.splitlines()[0].strip()) if subject else None
+
+
+def test_summary(output: str) -> str:
+    found = _TEST_SUMMARY.findall(output[-4000:])
+    return clip(found[-1], 80) if found else ""

@@ -1,0 +1,178 @@
+"""Group commit: concurrent submitters share one transaction; each is acknowledged only after COMMIT."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiosqlite
+
+from loomd.errors import Busy
+from loomd.ingest.events import Event, events_from_args
+from loomd.ingest.project import project_of
+from loomd.store.db import Store
+
+log = logging.getLogger(__name__)
+
+
+# A processor runs inside the commit transaction with the freshly stored events (capture rules, triggers).
+Processor = Callable[[aiosqlite.Connection, Sequence[Event]], Awaitable[None]]
+# A listener runs after the commit, outside the transaction (wake workers, start tailers).
+Listener = Callable[[Sequence[Event]], None]
+
+
+class ProcessorFailed(Exception):
+    """A processor raised inside a commit (a bug it must not turn into a lost event)."""
+
+
+@dataclass
+class Batch:
+    events: list[Event]
+    future: asyncio.Future[list[Event]]
+    also: Processor | None = None
+
+
+class EventWriter:
+    """Group commit: concurrent submitters share one transaction; each gets its ack only after COMMIT."""
+
+    def __init__(self, store: Store, *, max_pending: int = 256, max_batch: int = 512) -> None:
+        self.store = store
+        self.max_batch = max_batch
+        self._queue: asyncio.Queue[Batch] = asyncio.Queue(max_pending)
+        self._task: asyncio.Task[None] | None = None
+        self.processors: list[Processor] = []
+        self.listeners: list[Listener] = []
+        self.committed = 0
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="event-writer")
+
+    async def stop(self) -> None:
+        """Commit what was already accepted, then stop."""
+        if self._task and not self._task.done():
+            await self._queue.join()
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def submit(self, events: list[Event], also: Processor | None = None) -> list[Event]:
+        """Resolve projects, queue, and wait for the commit. A full queue answers Busy at once.
+
+        `also` runs inside the same transaction (a tailer's offset, a worker's watermark), so it commits
+        together with the events or not at all.
+        """
+        for event in events:
+            if not event.project:
+                event.project = await project_of(event.cwd)
+        future: asyncio.Future[list[Event]] = asyncio.get_running_loop().create_future()
+        try:
+            self._queue.put_nowait(Batch(events, future, also))
+        except asyncio.QueueFull:
+            raise Busy("the daemon is overloaded; spool the event and retry") from None
+        return await asyncio.shield(future)
+
+    async def submit_args(self, args: dict[str, Any], *, max_chars: int) -> list[Event]:
+        """The `ingest` op, and the spool's replay of what the shim wrote: parse, then commit; acked after COMMIT."""
+        events = events_from_args(args, max_chars=max_chars)
+        await self.submit(events)
+        return events
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            size = len(batch[0].events)
+            while not self._queue.empty() and size < self.max_batch:
+                item = self._queue.get_nowait()
+                batch.append(item)
+                size += len(item.events)
+            failed: dict[int, Exception] = {}
+            try:
+                await self._commit(batch)
+            except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
+                failed = await self._commit_apart(batch, exc)
+            for item in batch:
+                if not item.future.done():
+                    if id(item) in failed:
+                        item.future.set_exception(failed[id(item)])
+                    else:
+                        item.future.set_result(item.events)
+                self._queue.task_done()
+            done = [e for item in batch if id(item) not in failed for e in item.events]
+            for listener in self.listeners:
+                try:
+                    listener(done)
+                except Exception:  # noqa: BLE001 - a listener must never stop ingest
+                    log.exception("event listener failed")
+
+    async def _commit_apart(self, batch: list[Batch], first: Exception) -> dict[int, Exception]:
+        """After a failed group commit, each submitter's events alone, so that one bad event fails only its own
+        submitter; events whose processors (capture) fail are stored without what they would derive — the
+        event itself is what must not be lost. Returns the submitters that failed all the same (by id)."""
+        if not isinstance(first, ProcessorFailed):
+            log.warning("a group commit of %d submitter(s) failed (%s); committing each alone", len(batch), first)
+        failed: dict[int, Exception] = {}
+        for item in batch:
+            try:
+                try:
+                    await self._commit([item])
+                except ProcessorFailed as exc:
+                    log.error("%d event(s) stored without their captures: a processor failed on them",
+                              len(item.events), exc_info=exc.__cause__)
+                    await self._commit([item], derive=False)
+            except Exception as exc:  # noqa: BLE001 - reported to this submitter only
+                log.error("could not commit %d event(s); none of them was acknowledged: %s", len(item.events), exc)
+                failed[id(item)] = exc
+        return failed
+
+    async def _commit(self, batch: list[Batch], derive: bool = True) -> None:
+        now = time.time()
+        events = [e for item in batch for e in item.events]
+        async with self.store.atomic() as db:
+            stored: list[Event] = []
+            for event in events:
+                event.stored = False
+                # execute_fetchall: one trip to the writer's thread where execute, fetch and close take three.
+                if event.dedup and await db.execute_fetchall(
+                        "SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
+                        (event.session_id, event.dedup)):
+                    continue
+                payload = json.dumps(event.payload, ensure_ascii=False)
+                cur = await db.execute(
+                    "INSERT OR IGNORE INTO events (key, agent, session_id, project, kind, source, ts, received,"
+                    " tool_name, tool_use_id, dedup, tokens, payload) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (event.key, event.agent, event.session_id, event.project, event.kind, event.source, event.ts,
+                     now, event.tool_name, event.tool_use_id, event.dedup, event.tokens, payload),
+                )
+                if cur.rowcount == 1:
+                    event.id, event.stored = cur.lastrowid, True
+                    stored.append(event)
+                await db.execute(
+                    "INSERT INTO sessions (id, agent, project, cwd, transcript_path, started, last_seen, ended)"
+                    " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET"
+                    " last_seen = max(last_seen, excluded.last_seen),"
+                    # A session first seen through a line without a cwd takes its project from the next event.
+                    " project = CASE WHEN sessions.project = 'unknown' THEN excluded.project ELSE sessions.project END,"
+                    " cwd = coalesce(sessions.cwd, excluded.cwd),"
+                    " transcript_path = coalesce(excluded.transcript_path, sessions.transcript_path),"
+                    " ended = CASE WHEN excluded.ended IS NOT NULL THEN excluded.ended ELSE sessions.ended END",
+                    (event.session_id, event.agent, event.project, event.cwd, event.transcript_path, event.ts,
+                     event.ts, event.ts if event.kind == "SessionEnd" else None),
+                )
+            for processor in self.processors if derive else ():
+                try:
+                    await processor(db, stored)
+                except Exception as exc:
+                    raise ProcessorFailed(str(exc)) from exc
+            for item in batch:
+                if item.also is not None:
+                    await item.also(db, item.events)
+        self.committed += len(stored)

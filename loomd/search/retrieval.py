@@ -1,0 +1,501 @@
+"""Search over memories: filters, the five signals, their fusion.
+
+Signals, each usable alone (`weights`), fused by weighted reciprocal rank fusion (fusion.py):
+- fts: FTS5 BM25 over the text, the tags and (down-weighted) the session neighbours' text; user text is quoted
+  term by term, never FTS syntax;
+- vec: KNN over neighbour-mixed vectors (loomd.vectors);
+- graph: memories that mention the query's entities, by summed idf (one hop over `mentions`);
+- recency: newest first, and recurrence: what keeps coming back across sessions first. Both only reorder what
+  fts and vec found (alone they would push the same memories into every answer); used without those, they rank
+  every memory that passes the filters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from loomd.errors import BadRequest, EmbedderError
+from loomd.search.fusion import (
+    CANDIDATES,
+    CONTEXT_WEIGHT,
+    DEFAULT_WEIGHTS,
+    RRF_K,
+    fts_match,
+    query_terms,
+    score_by_entities,
+    weighted_rrf,
+)
+from loomd.store.db import Store, connect_sync
+from loomd.store.entities import extract_entities
+from loomd.store.memories import memory_dict
+from loomd.vectors.index import PREFILTER, Filters
+
+if TYPE_CHECKING:
+    from loomd.vectors.service import VectorService
+
+MODES = ("keyword", "semantic", "hybrid")
+SIGNALS = ("fts", "vec", "graph", "recency", "recurrence")
+MODE_WEIGHTS: dict[str, dict[str, float]] = {
+    "keyword": {"fts": 1.0}, "semantic": {"vec": 1.0}, "hybrid": dict(DEFAULT_WEIGHTS),
+}
+# An entity named in more memories than this is read only this far (newest first); its idf stays exact.
+GRAPH_POSTINGS = 1000
+COLLAPSE_POOL = 4  # candidates per slot read for the provenance collapse
+DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passage's score takes the passage's slot
+# BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
+FTS_BUDGET = 10_000
+# Knobs a benchmark (or a curious user) may turn per search: name -> (type, default, lowest, highest).
+TUNING: dict[str, tuple[type, Any, float, float]] = {
+    "ctx_weight": (float, CONTEXT_WEIGHT, 0.0, 10.0),  # BM25 weight of the neighbours' column; 0 = plain text
+    "rrf_k": (int, RRF_K, 0, 1000),
+    "candidates": (int, CANDIDATES, 1, 1000),  # per signal
+    "mixed": (bool, True, 0, 1),  # KNN over neighbour-mixed vectors (else the raw ones)
+    "prefilter": (int, PREFILTER, 1, 100_000),  # 1-bit candidates re-ranked with float vectors
+    "fts_budget": (int, FTS_BUDGET, 1, 10_000_000),  # see prune_terms
+}
+
+
+@dataclass
+class SearchContext:
+    store: Store
+    vectors: VectorService | None = None
+    half_life_days: float = 30.0
+
+
+def memory_filters(
+    project: str | None, scope: str | None, kind: str | list[str] | None, since: float | None, until: float | None,
+    session_id: str | None, include_archived: bool,
+) -> tuple[str, list[Any]]:
+    clauses: list[str] = []
+    params: list[Any] = []
+    if project:
+        # User-scope memories follow the user into every project.
+        clauses.append("(m.project = ? OR m.scope = 'user')")
+        params.append(project)
+    if scope:
+        clauses.append("m.scope = ?")
+        params.append(scope)
+    if kind:
+        kinds = [kind] if isinstance(kind, str) else kind
+        if not all(isinstance(k, str) for k in kinds):
+            raise BadRequest("'kind' must be a string or a list of strings")
+        clauses.append(f"m.kind IN ({','.join('?' * len(kinds))})")
+        params.extend(kinds)
+    if since is not None:
+        clauses.append("m.created >= ?")
+        params.append(since)
+    if until is not None:
+        clauses.append("m.created <= ?")
+        params.append(until)
+    if session_id:
+        clauses.append("m.session_id = ?")
+        params.append(session_id)
+    if not include_archived:
+        clauses.append("m.archived_at IS NULL")
+    return (" AND ".join(clauses) or "1"), params
+
+
+def resolve_weights(mode: str, weights: Mapping[str, Any] | None) -> dict[str, float]:
+    """The mode's signal weights with the caller's overrides; 0 turns a signal off."""
+    if mode not in MODES:
+        raise BadRequest(f"unknown mode '{mode}'; one of: {', '.join(MODES)}")
+    out = dict(MODE_WEIGHTS[mode])
+    for name, value in (weights or {}).items():
+        if name not in SIGNALS:
+            raise BadRequest(f"unknown signal '{name}' in 'weights'; one of: {', '.join(SIGNALS)}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
+            raise BadRequest(f"weight of '{name}' must be a number from 0 to 100")
+        out[name] = float(value)
+    return {name: w for name, w in out.items() if w > 0}
+
+
+def resolve_tuning(tuning: Mapping[str, Any] | None) -> dict[str, Any]:
+    out = {name: spec[1] for name, spec in TUNING.items()}
+    for name, value in (tuning or {}).items():
+        if name not in TUNING:
+            raise BadRequest(f"unknown tuning '{name}'; one of: {', '.join(TUNING)}")
+        kind, _, low, high = TUNING[name]
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise BadRequest(f"tuning '{name}' must be true or false")
+        elif isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high \
+                or (kind is int and value != int(value)):
+            what = "an integer" if kind is int else "a number"
+            raise BadRequest(f"tuning '{name}' must be {what} from {low} to {high}")
+        out[name] = kind(value)
+    return out
+
+
+# --- the signals ---------------------------------------------------------------------------------------------------
+
+
+class Stemmer:
+    """The FTS index's own tokenizer (porter unicode61) on a private in-memory table: query term -> index terms."""
+
+    def __init__(self) -> None:
+        self._db = connect_sync(":memory:")
+        self._db.execute("CREATE VIRTUAL TABLE t USING fts5(x, tokenize='porter unicode61')")
+        self._db.execute("CREATE VIRTUAL TABLE v USING fts5vocab(t, 'instance')")
+        self._cache: dict[str, tuple[str, ...]] = {}
+
+    def __call__(self, term: str) -> tuple[str, ...]:
+        found = self._cache.get(term)
+        if found is None:
+            self._db.execute("INSERT INTO t (rowid, x) VALUES (1, ?)", (term,))
+            found = tuple(r[0] for r in self._db.execute("SELECT term FROM v ORDER BY offset"))
+            self._db.execute("DELETE FROM t")
+            if len(self._cache) > 50_000:
+                self._cache.clear()
+            self._cache[term] = found
+        return found
+
+
+_stem: Stemmer | None = None
+
+
+def stemmer() -> Stemmer:
+    global _stem
+    _stem = _stem or Stemmer()
+    return _stem
+
+
+def covered_terms(query: str, text: str) -> tuple[int, int]:
+    """(how many of the query's terms the text holds, as the index reads both; how many terms the query has)."""
+    terms = query_terms(query)
+    if not terms:
+        return 0, 0
+    stem = stemmer()
+    # Word by word through the stemmer's cache: a memory's words are mostly known already.
+    held = {t for word in set(query_terms(text, frozenset(), limit=None)) for t in stem(word)}
+    return sum(1 for term in terms if set(stem(term)) <= held), len(terms)
+
+
+# Memories per index term, for pruning only (an estimate may be minutes old): (store, term) -> (when, count).
+_DF: dict[tuple[int, str], tuple[float, int]] = {}
+DF_TTL_S = 300.0
+
+
+async def prune_terms(store: Store, terms: list[str], budget: int, indexed: int) -> list[str]:
+    """Drop the commonest terms while the memories the query would score exceed `budget` (BM25 scores every
+    match: 50k matches take 45 ms at 100k memories), keeping the rarest term. Within budget: every term.
+
+    `indexed`, the memories in the index, bounds the matches: at or under the budget there is nothing to prune."""
+    if indexed <= budget:
+        return terms
+    stem = stemmer()
+    tokens = {term: stem(term) for term in terms}
+    now = time.monotonic()
+    docs: dict[str, int] = {}
+    wanted = []
+    for token in sorted({t for ts in tokens.values() for t in ts}):
+        cached = _DF.get((id(store), token))
+        if cached is not None and now - cached[0] < DF_TTL_S:
+            docs[token] = cached[1]
+        else:
+            wanted.append(token)
+    if wanted:  # fts5vocab counts by walking the term's postings (0.2 ms for a common term at 100k): cache it
+        if len(_DF) > 100_000:
+            _DF.clear()
+        found = {r[0]: r[1] for r in await store.fetchall(
+            "SELECT term, doc FROM memories_fts_vocab WHERE term IN (SELECT value FROM json_each(?))",
+            [json.dumps(wanted)])}
+        for token in wanted:
+            docs[token] = found.get(token, 0)
+            if docs[token]:  # a word no memory has yet may arrive any moment: never cache its absence
+                _DF[(id(store), token)] = (now, docs[token])
+    df = {term: min((docs.get(t, 0) for t in ts), default=0) for term, ts in tokens.items()}
+    kept = list(terms)
+    while len(kept) > 1 and sum(df[t] for t in kept) > budget:
+        kept.remove(max(kept, key=lambda t: (df[t], t)))
+    return kept
+
+
+async def _verify(store: Store, ranked: Sequence[int], where: str, params: Sequence[Any], n: int) -> list[int]:
+    """The first n of `ranked` that pass the filters (checked in SQL, in chunks of 2n, best first)."""
+    kept: list[int] = []
+    step = max(2 * n, 1)
+    for start in range(0, len(ranked), step):
+        chunk = list(ranked[start : start + step])
+        ok = {r[0] for r in await store.fetchall(
+            f"SELECT m.id FROM memories m WHERE m.id IN (SELECT value FROM json_each(?)) AND {where}",
+            [json.dumps(chunk), *params])}
+        kept += [i for i in chunk if i in ok]
+        if len(kept) >= n:
+            break
+    return kept[:n]
+
+
+async def fts_signal(
+    store: Store, query: str, where: str, params: Sequence[Any], n: int, ctx_weight: float, budget: int,
+    indexed: int,
+) -> list[tuple[int, float]]:
+    """BM25 over text, tags and the neighbours' column (weighted ctx_weight; 0 leaves the column out)."""
+    terms = query_terms(query)
+    if not terms:
+        return []
+    terms = await prune_terms(store, terms, budget, indexed)
+    match = fts_match(terms)
+    if ctx_weight == 0:
+        match = "{text tags} : (" + match + ")"
+    bm25 = f"bm25(memories_fts, 1.0, 1.0, {float(ctx_weight)!r})"
+    # The index alone ranks fastest; the filters are checked on the best 2n, in the same statement (one trip to
+    # the reader thread). Too few pass: rank with them.
+    rows = await store.fetchall(
+        f"SELECT r.id, r.score, EXISTS (SELECT 1 FROM memories m WHERE m.id = r.id AND {where}) FROM"
+        f" (SELECT rowid AS id, {bm25} AS score FROM memories_fts WHERE memories_fts MATCH ?"
+        " ORDER BY score, rowid LIMIT ?) r ORDER BY r.score, r.id", [*params, match, 2 * n])
+    kept = {r[0] for r in rows if r[2]}
+    if len(kept) < n and len(rows) == 2 * n:
+        rows = await store.fetchall(
+            f"SELECT m.id, {bm25} AS score FROM memories_fts JOIN memories m ON m.id = memories_fts.rowid"
+            f" WHERE memories_fts MATCH ? AND {where} ORDER BY score, m.id LIMIT ?", [match, *params, n])
+        kept = {r[0] for r in rows}
+    return [(r[0], -r[1]) for r in rows if r[0] in kept][:n]
+
+
+_TOTALS: dict[tuple[int, str, str], tuple[int, float, int]] = {}
+
+
+async def _total(ctx: SearchContext, where: str, params: Sequence[Any]) -> int:
+    """How many memories pass the filters (the graph's idf, the keyword budget), recounted after writes at most
+    every 2 s (every 2 s at all without the vector service, whose generation counts the writes)."""
+    generation = ctx.vectors.generation if ctx.vectors is not None else -1
+    key = (id(ctx.store), where, json.dumps(list(params)))
+    cached = _TOTALS.get(key)
+    if cached is not None and ((generation >= 0 and cached[0] == generation) or time.monotonic() - cached[1] < 2.0):
+        return cached[2]
+    total = int(await ctx.store.scalar(f"SELECT count(*) FROM memories m WHERE {where}", params) or 0)
+    if len(_TOTALS) > 1000:
+        _TOTALS.clear()
+    _TOTALS[key] = (generation, time.monotonic(), total)
+    return total
+
+
+async def graph_signal(
+    ctx: SearchContext, query: str, where: str, params: Sequence[Any], project: str | None, n: int,
+) -> list[tuple[int, float]]:
+    """Memories that mention the query's entities, by summed idf over the memories searched."""
+    names = list(dict.fromkeys(name for name, _ in extract_entities(query)))
+    if not names:
+        return []
+    marks = ",".join("?" * len(names))
+    sql = f"SELECT id, name, mentions FROM entities WHERE name IN ({marks})"
+    args: list[Any] = list(names)
+    if project:
+        sql += " AND project IN (?, 'user')"
+        args.append(project)
+    entities = await ctx.store.fetchall(sql, args)
+    if not entities:
+        return []
+    # The entities' newest postings, a subquery each (each walks the edge index), in as few statements as SQLite's
+    # compound-select limit (500) allows.
+    found: dict[int, list[int]] = {}
+    for start in range(0, len(entities), 200):
+        chunk = entities[start : start + 200]
+        for entity_id, src_id in await ctx.store.fetchall(" UNION ALL ".join(
+                "SELECT * FROM (SELECT dst_id, src_id FROM edges WHERE dst_type = 'entity' AND dst_id = ?"
+                " AND type = 'mentions' AND src_type = 'memory' ORDER BY src_id DESC LIMIT ?)" for _ in chunk),
+                [p for entity in chunk for p in (entity[0], GRAPH_POSTINGS)]):
+            found.setdefault(entity_id, []).append(src_id)
+    postings: dict[str, set[int]] = {}
+    df: dict[str, int] = {}
+    for entity_id, name, mentions in entities:
+        ids = found.get(entity_id, [])
+        postings.setdefault(name, set()).update(ids)
+        df[name] = df.get(name, 0) + (max(mentions, len(ids)) if len(ids) == GRAPH_POSTINGS else len(ids))
+    ranked = score_by_entities(names, postings, await _total(ctx, where, params), df)
+    kept = set(await _verify(ctx.store, [i for i, _ in ranked], where, params, n))
+    return [(i, score) for i, score in ranked if i in kept]
+
+
+# --- search --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SignalHit:
+    """One signal's say on a hit: its rank in that signal's list (from 1), its raw score (a cosine for `vec`, the
+    negated BM25 for `fts`) and what it added to the fused score."""
+
+    rank: int
+    score: float
+    contribution: float
+
+
+@dataclass
+class Hit:
+    memory: dict[str, Any]  # memory_dict(row) with the fused `score`
+    signals: dict[str, SignalHit]
+
+    def as_dict(self, explain: bool) -> dict[str, Any]:
+        """The search op's item; `explain` adds each signal's rank, score and share."""
+        if not explain:
+            return self.memory
+        return {**self.memory, "explain": {
+            s: {"rank": h.rank, "score": round(h.score, 6), "contribution": round(h.contribution, 6)}
+            for s, h in sorted(self.signals.items())}}
+
+
+async def search_memories(ctx: SearchContext, *, explain: bool = False, **kwargs: Any) -> list[dict[str, Any]]:
+    """The search op: `search_hits` as plain items (with each signal's part when `explain`)."""
+    return [hit.as_dict(explain) for hit in await search_hits(ctx, **kwargs)]
+
+
+async def search_hits(
+    ctx: SearchContext, *, query: str, limit: int = 10, mode: str = "hybrid", project: str | None = None,
+    scope: str | None = None, kind: str | list[str] | None = None, since: float | None = None,
+    until: float | None = None, session_id: str | None = None, include_archived: bool = False,
+    weights: Mapping[str, Any] | None = None, tuning: Mapping[str, Any] | None = None,
+    report: dict[str, Any] | None = None,
+) -> list[Hit]:
+    """Fused search. `report`, when given, receives per-stage timings (ms) and notes on signals that could not run."""
+    started = time.perf_counter()
+    active = resolve_weights(mode, weights)
+    knobs = resolve_tuning(tuning)
+    where, params = memory_filters(project, scope, kind, since, until, session_id, include_archived)
+    n = knobs["candidates"]
+    timings: dict[str, float] = {}
+    notes: list[str] = []
+    scored: dict[str, list[tuple[int, float]]] = {}
+
+    knn = None
+    if "vec" in active and ctx.vectors is not None:
+        # Started first: the query is embedded on its own thread while the keyword and graph signals query SQLite.
+        kinds = None if not kind else (kind,) if isinstance(kind, str) else tuple(kind)
+        filters = Filters(project or None, scope or None, kinds, since, until, session_id or None, include_archived)
+        knn = asyncio.create_task(ctx.vectors.knn(
+            query, k=n, filters=filters, where=where, params=params, mixed=knobs["mixed"],
+            prefilter=knobs["prefilter"], timings=timings))
+    try:
+        async def timed(name: str, signal: Awaitable[list[tuple[int, float]]]) -> None:
+            t = time.perf_counter()
+            scored[name] = await signal
+            timings[f"{name}_ms"] = _ms(t)
+
+        # Together: their queries queue on the reader's thread back to back instead of one round trip each.
+        signals = []
+        if "fts" in active:
+            signals.append(timed("fts", fts_signal(ctx.store, query, where, params, n, knobs["ctx_weight"],
+                                                   knobs["fts_budget"], await _total(ctx, "1", ()))))
+        if "graph" in active:
+            signals.append(timed("graph", graph_signal(ctx, query, where, params, project, n)))
+        await asyncio.gather(*signals)
+        found = None
+        if knn is not None:
+            try:
+                found = await knn
+            except EmbedderError as exc:  # a remote endpoint down: the other signals still answer
+                notes.append(f"vec: the query could not be embedded: {exc}")
+                found = []
+    finally:
+        if knn is not None and not knn.done():
+            knn.cancel()
+    if "vec" in active:
+        if found is None:
+            state = ctx.vectors.status() if ctx.vectors is not None else {"state": "off"}
+            why = f"{state['state']}: {state['error']}" if state.get("error") else state["state"]
+            notes.append(f"vec: no vectors to search (embedder {why})")
+        scored["vec"] = found or []
+
+    # The pool recency and recurrence reorder: what the relevance signals found.
+    pool = {i for name in ("fts", "vec") for i, _ in scored.get(name, [])}
+    if not pool and "fts" not in active and "vec" not in active:
+        pool = {i for i, _ in scored.get("graph", [])}
+    t = time.perf_counter()
+    if "recency" in active or "recurrence" in active:
+        if not ({"fts", "vec", "graph"} & set(active)):
+            pool = await _prior_pool(ctx.store, where, params, n, active)
+        facts = await _facts(ctx.store, pool)
+        now = time.time()
+        half_life = max(ctx.half_life_days, 1e-6) * 86400
+        if "recency" in active:
+            newest = sorted(pool, key=lambda i: (-facts[i][0], -i))
+            scored["recency"] = [(i, round(0.5 ** (max(0.0, now - facts[i][0]) / half_life), 6)) for i in newest]
+        if "recurrence" in active:
+            recurring = sorted((i for i in pool if facts[i][1] > 0), key=lambda i: (-facts[i][1], i))
+            scored["recurrence"] = [(i, float(facts[i][1])) for i in recurring]
+    fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, active, knobs["rrf_k"])
+    # Collapse by provenance: a candidate whose source events a better one already cites takes no slot of its own
+    # (the passages of one tool result, a memory and the evidence it came from); enough candidates for the slots.
+    candidates = fused[: limit * COLLAPSE_POOL]
+    sources = await _sources(ctx.store, [f[0] for f in candidates])
+    rows = await ctx.store.fetchall("SELECT m.* FROM memories m WHERE m.id IN (SELECT value FROM json_each(?))",
+                                    [json.dumps([f[0] for f in candidates])])
+    by_id = {row["id"]: row for row in rows}
+    raw = {s: dict(items) for s, items in scored.items()}
+    results: list[Hit] = []
+    cited: dict[int, Hit] = {}  # source event -> the hit that holds it
+    for memory_id, score, parts in candidates:
+        if memory_id not in by_id:
+            continue
+        item = memory_dict(by_id[memory_id])
+        item["score"] = round(score, 6)
+        hit = Hit(item, {s: SignalHit(rank, raw[s][memory_id], part) for s, (rank, part) in parts.items()})
+        mine = sources.get(memory_id, ())
+        # Passages of one long item are different windows of it: only a memory and its evidence (or the
+        # observation it came from) collapse, never two evidence passages.
+        holder = next((cited[e] for e in mine if e in cited
+                       and not (item["kind"] == "evidence" and cited[e].memory["kind"] == "evidence")), None)
+        if holder is None:
+            if len(results) < limit:
+                results.append(hit)
+                cited.update((e, hit) for e in mine if e not in cited or cited[e].memory["kind"] == "evidence")
+            continue
+        if holder.memory["kind"] == "evidence" and item["kind"] != "evidence" \
+                and score >= DENSE_WINS * holder.memory["score"]:
+            # Equally relevant: the dense memory takes the slot, the passage it came from is collapsed into it.
+            results[results.index(holder)] = hit
+            item["collapsed"] = [holder.memory["id"], *holder.memory.get("collapsed", [])]
+            cited.update((e, hit) for e in (*mine, *(e for e, h in cited.items() if h is holder)))
+        else:
+            holder.memory.setdefault("collapsed", []).append(memory_id)
+    timings["fuse_ms"] = _ms(t)
+    timings["total_ms"] = _ms(started)
+    if report is not None:
+        report["timings"] = timings
+        report["weights"] = active
+        if notes:
+            report["notes"] = notes
+    return results
+
+
+def _ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
+
+
+async def _sources(store: Store, ids: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """Each memory's source events (what it was made from)."""
+    found: dict[int, list[int]] = {}
+    for memory_id, event_id in await store.fetchall(
+            "SELECT memory_id, event_id FROM memory_sources WHERE memory_id IN (SELECT value FROM json_each(?))",
+            [json.dumps(list(ids))]):
+        found.setdefault(memory_id, []).append(event_id)
+    return {k: tuple(v) for k, v in found.items()}
+
+
+async def _facts(store: Store, ids: set[int]) -> dict[int, tuple[float, int]]:
+    if not ids:
+        return {}
+    rows = await store.fetchall(
+        "SELECT m.id, m.created, coalesce(v.recurrence, 0) FROM memories m LEFT JOIN memory_vectors v"
+        " ON v.memory_id = m.id WHERE m.id IN (SELECT value FROM json_each(?))", [json.dumps(sorted(ids))])
+    return {r[0]: (float(r[1]), int(r[2])) for r in rows}
+
+
+async def _prior_pool(store: Store, where: str, params: Sequence[Any], n: int, active: Mapping[str, float]) -> set[int]:
+    """Recency or recurrence alone: the newest and the most recurring memories that pass the filters."""
+    pool: set[int] = set()
+    if "recency" in active:
+        rows = await store.fetchall(
+            f"SELECT m.id FROM memories m WHERE {where} ORDER BY m.created DESC, m.id DESC LIMIT ?", [*params, n])
+        pool.update(r[0] for r in rows)
+    if "recurrence" in active:
+        rows = await store.fetchall(
+            f"SELECT m.id FROM memories m JOIN memory_vectors v ON v.memory_id = m.id WHERE v.recurrence > 0"
+            f" AND {where} ORDER BY v.recurrence DESC, m.id LIMIT ?", [*params, n])
+        pool.update(r[0] for r in rows)
+    return pool

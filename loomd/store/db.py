@@ -1,0 +1,190 @@
+"""The SQLite store: one writer connection (aiosqlite over sqlean.py, sqlite-vec loaded), one reader."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sqlite3
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+
+from loomd.errors import ExtensionError, StorageError
+from loomd.store.migrations import MIGRATIONS
+
+log = logging.getLogger(__name__)
+
+try:  # sqlean.py raises its own exception classes, not sqlite3's: every handler must name both
+    import sqlean as _sqlean
+
+    DB_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, _sqlean.Error)
+    # Errors in loomd's own statements, not in the storage: they stay `internal` (logged with a traceback).
+    DB_BUGS: tuple[type[Exception], ...] = (sqlite3.IntegrityError, sqlite3.ProgrammingError, _sqlean.IntegrityError,
+                                            _sqlean.ProgrammingError)
+except ImportError:  # connect_sync says what is missing
+    DB_ERRORS = (sqlite3.Error,)
+    DB_BUGS = (sqlite3.IntegrityError, sqlite3.ProgrammingError)
+KEEP_IT = "loomd will not overwrite it; move it aside (or restore a backup) to start afresh"
+
+EXTENSION_HELP = (
+    "loomd needs an SQLite driver that can load extensions (for sqlite-vec). "
+    "Install the project's dependencies (`pip install sqlean.py sqlite-vec`) into the interpreter that runs loomd."
+)
+
+
+def connect_sync(path: Path | str, *, busy_timeout_ms: int = 5000) -> sqlite3.Connection:
+    """Open a connection through sqlean.py with sqlite-vec loaded; raise ExtensionError with the fix if we can't."""
+    try:
+        import sqlean
+        import sqlite_vec
+    except ImportError as exc:
+        raise ExtensionError(f"cannot import the SQLite driver: {exc}. {EXTENSION_HELP}") from exc
+    conn = sqlean.connect(str(path), timeout=busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False)
+    try:
+        conn.enable_load_extension(True)
+        sqlite_vec.load(conn)
+        conn.enable_load_extension(False)
+    except (AttributeError, sqlite3.Error, sqlean.Error) as exc:
+        conn.close()
+        raise ExtensionError(f"cannot load the sqlite-vec extension: {exc}. {EXTENSION_HELP}") from exc
+    conn.row_factory = sqlean.Row
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+def ensure_private_file(path: Path) -> None:
+    """Create the file owner-only before SQLite does, so the umask cannot widen it."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Apply pending migrations, each in its own transaction; return the schema version."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    for number, step in enumerate(MIGRATIONS[version:], start=version + 1):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            step(conn)
+            conn.execute(f"PRAGMA user_version = {number}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        log.info("applied migration %d (%s)", number, step.__name__)
+    return len(MIGRATIONS)
+
+
+def open_checked(path: Path, *, busy_timeout_ms: int = 5000) -> sqlite3.Connection:
+    """Open, check integrity and migrate; a corrupt file raises StorageError and is left exactly as it was."""
+    existed = path.exists() and path.stat().st_size > 0
+    if not existed:
+        ensure_private_file(path)
+    conn = connect_sync(path, busy_timeout_ms=busy_timeout_ms)
+    try:
+        if existed:
+            result = conn.execute("PRAGMA quick_check").fetchone()[0]
+            if result != "ok":
+                detail = " ".join(str(result).split())[:300]
+                raise StorageError(f"database {path} failed its integrity check ({detail}); {KEEP_IT}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        # FULL: an acknowledged event must survive a power cut, not only a crash; group commit pays for it.
+        conn.execute("PRAGMA synchronous = FULL")
+        migrate(conn)
+    except DB_ERRORS as exc:
+        conn.close()
+        raise StorageError(f"database {path} cannot be used ({exc}); {KEEP_IT}") from exc
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+_HINTS = {"SQLITE_IOERR": "is the disk full, or a file-size limit reached?", "SQLITE_FULL": "the disk is full",
+          "SQLITE_BUSY": "another process holds the database lock", "SQLITE_READONLY": "the file is not writable"}
+
+
+def describe(exc: BaseException) -> str:
+    """`database is locked [SQLITE_BUSY: another process holds the database lock]`: message, error name, hint."""
+    name = getattr(exc, "sqlite_errorname", None)
+    if not name:
+        return str(exc)
+    hint = next((h for prefix, h in _HINTS.items() if name.startswith(prefix)), "")
+    return f"{exc} [{name}{': ' + hint if hint else ''}]"
+
+
+class Store:
+    """Owns the database. Writes go through `atomic()` (serialised); reads use a second connection."""
+
+    def __init__(self, path: Path, writer: aiosqlite.Connection, reader: aiosqlite.Connection) -> None:
+        self.path = path
+        self.writer = writer
+        self.reader = reader
+        self._write_lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, path: Path, *, busy_timeout_ms: int = 5000) -> Store:
+        # Open and check on a plain thread: a refused file then leaves no aiosqlite worker thread behind.
+        conn = await asyncio.to_thread(open_checked, path, busy_timeout_ms=busy_timeout_ms)
+        writer = aiosqlite.Connection(lambda: conn, 64)
+        await writer
+        reader = aiosqlite.Connection(lambda: connect_sync(path, busy_timeout_ms=busy_timeout_ms), 64)
+        try:
+            await reader
+            await reader.execute("PRAGMA query_only = ON")
+        except BaseException:
+            await writer.close()
+            raise
+        return cls(path, writer, reader)
+
+    async def close(self) -> None:
+        async with self._write_lock:
+            await self.reader.close()
+            await self.writer.close()
+
+    @asynccontextmanager
+    async def atomic(self) -> AsyncIterator[aiosqlite.Connection]:
+        """One write transaction at a time; rolled back on any exception, cancellation included."""
+        async with self._write_lock:
+            try:
+                # BEGIN inside the try: a caller cancelled while BEGIN runs on the connection's thread (a context
+                # deadline) must not leave the one writer connection inside a transaction for good. The ROLLBACK
+                # queues behind whatever statement is still running, so it always undoes the right thing.
+                await self.writer.execute("BEGIN IMMEDIATE")
+                yield self.writer
+                await self.writer.execute("COMMIT")
+            except BaseException as exc:
+                # Nothing to roll back (BEGIN failed) or SQLite already did (a full disk, an I/O error): noise.
+                with contextlib.suppress(*DB_ERRORS):
+                    await asyncio.shield(self.writer.execute("ROLLBACK"))
+                if isinstance(exc, DB_ERRORS) and not isinstance(exc, DB_BUGS):
+                    raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
+                raise
+
+    async def fetchall(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        # One trip to the reader's thread (execute, fetch and close there), not three: on the hook path each trip
+        # costs about as much as a small query.
+        return list(await self.reader.execute_fetchall(sql, tuple(params)))
+
+    async def fetchone(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Row | None:
+        """The first row of a query that yields one (a lookup by key, an aggregate)."""
+        rows = await self.fetchall(sql, params)
+        return rows[0] if rows else None
+
+    async def scalar(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        row = await self.fetchone(sql, params)
+        return None if row is None else row[0]
+
+    async def versions(self) -> dict[str, str]:
+        row = await self.fetchone("SELECT sqlite_version(), vec_version()")
+        assert row is not None
+        return {"sqlite": row[0], "sqlite_vec": row[1]}

@@ -1,0 +1,173 @@
+"""The memories table: insert (deduplicated by content hash), fetch, archive and restore. Never deletes.
+
+Every memory write goes the same way (`MemoryWriter`): insert inside a transaction, write what is derived from the
+text in that same transaction (entities, edges, neighbour context; its vectors marked stale), and once it has
+committed, wake whoever waits for new memories (the vector back-fill).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiosqlite
+
+from loomd.errors import BadRequest, NotFound
+from loomd.redact import redact_text
+from loomd.store.db import Store
+from loomd.store.derived import write_derived
+from loomd.store.migrations import MEMORY_KINDS
+
+SCOPES = ("user", "project", "session")
+KIND_LETTERS = {
+    "decision": "D", "error": "E", "procedure": "P", "fact": "F", "constraint": "C", "preference": "C",
+    "insight": "I", "handoff": "H", "task": "T", "observation": "O", "reflection": "R", "digest": "G",
+    "evidence": "V",
+}
+MAX_MEMORY_CHARS = 4000
+
+
+def content_hash(text: str) -> str:
+    return hashlib.sha256(" ".join(text.lower().split()).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def estimate_tokens(text: str) -> int:
+    return max(1, (len(text) + 3) // 4)
+
+
+def check_kind(kind: str) -> str:
+    if kind not in MEMORY_KINDS:
+        raise BadRequest(f"unknown memory kind '{kind}'; one of: {', '.join(MEMORY_KINDS)}")
+    return kind
+
+
+async def insert_memory(
+    db: aiosqlite.Connection,
+    *,
+    kind: str,
+    text: str,
+    project: str,
+    scope: str = "project",
+    session_id: str | None = None,
+    agent: str | None = None,
+    importance: float = 0.5,
+    tags: Iterable[str] = (),
+    created: float | None = None,
+    expires: float | None = None,
+    origin: str = "store",
+    meta: dict[str, Any] | None = None,
+    sources: Iterable[int] = (),
+) -> tuple[int, bool]:
+    """Insert inside the caller's transaction; the same text in the same project bumps the existing row."""
+    check_kind(kind)
+    if scope not in SCOPES:
+        raise BadRequest(f"unknown scope '{scope}'; one of: {', '.join(SCOPES)}")
+    text = redact_text(text.strip())[:MAX_MEMORY_CHARS]
+    if not text:
+        raise BadRequest("memory text is empty")
+    now = time.time()
+    digest = content_hash(text)
+    async with db.execute(
+        "SELECT id FROM memories WHERE project = ? AND content_hash = ? AND kind = ? AND archived_at IS NULL LIMIT 1",
+        (project, digest, kind),
+    ) as cur:
+        row = await cur.fetchone()
+    if row is not None:
+        memory_id = int(row[0])
+        await db.execute(
+            "UPDATE memories SET hits = hits + 1, updated = ?, importance = max(importance, ?) WHERE id = ?",
+            (now, importance, memory_id),
+        )
+        is_new = False
+    else:
+        cur = await db.execute(
+            "INSERT INTO memories (kind, text, project, scope, session_id, agent, importance, tags, created, updated,"
+            " expires, content_hash, tokens, origin, meta) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (kind, text, project, scope, session_id, agent, float(importance), " ".join(sorted(set(tags))),
+             created or now, now, expires, digest, estimate_tokens(text), origin, json.dumps(meta or {})),
+        )
+        memory_id = int(cur.lastrowid or 0)
+        is_new = True
+    await db.executemany(
+        "INSERT OR IGNORE INTO memory_sources (memory_id, event_id) VALUES (?, ?)",
+        [(memory_id, event_id) for event_id in sources],
+    )
+    return memory_id, is_new
+
+
+def memory_dict(row: Any) -> dict[str, Any]:
+    """The reply shape of one memory."""
+    return {
+        "id": row["id"], "kind": row["kind"], "text": row["text"], "project": row["project"], "scope": row["scope"],
+        "session_id": row["session_id"], "agent": row["agent"], "importance": row["importance"],
+        "tags": row["tags"].split() if row["tags"] else [], "created": row["created"], "updated": row["updated"],
+        "expires": row["expires"], "archived_at": row["archived_at"], "hits": row["hits"],
+        "superseded_by": row["superseded_by"], "tokens": row["tokens"], "origin": row["origin"],
+    }
+
+
+async def fetch_memories(store: Store, ids: Sequence[int]) -> list[dict[str, Any]]:
+    if not ids:
+        return []
+    marks = ",".join("?" * len(ids))
+    rows = await store.fetchall(f"SELECT * FROM memories WHERE id IN ({marks})", ids)
+    by_id = {row["id"]: memory_dict(row) for row in rows}
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise NotFound(f"no memory with id {', '.join(map(str, missing))}")
+    return [by_id[i] for i in ids]
+
+
+async def set_archived(db: aiosqlite.Connection, ids: Sequence[int], archived: bool, reason: str = "") -> int:
+    """Archive (or restore) by flag only; the rows stay fetchable forever."""
+    if not ids:
+        return 0
+    marks = ",".join("?" * len(ids))
+    async with db.execute(f"SELECT count(*) FROM memories WHERE id IN ({marks})", ids) as cur:
+        row = await cur.fetchone()
+    if row is None or row[0] != len(set(ids)):
+        raise NotFound(f"some of the ids {list(ids)} do not exist")
+    if archived:
+        cur = await db.execute(
+            f"UPDATE memories SET archived_at = ?, meta = json_set(meta, '$.archive_reason', ?)"
+            f" WHERE id IN ({marks}) AND archived_at IS NULL",
+            (time.time(), reason or "forget", *ids),
+        )
+    else:
+        cur = await db.execute(
+            f"UPDATE memories SET archived_at = NULL WHERE id IN ({marks}) AND archived_at IS NOT NULL", ids
+        )
+    return cur.rowcount
+
+
+class MemoryWriter:
+    """The one memory-write path's side effects. Listeners are registered by whoever owns them (the daemon wires
+    the vector service): `stale` gets the ids whose vectors must be (re)computed, `committed` is called after a
+    transaction that wrote memories has committed."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.stale: list[Callable[[Sequence[int]], None]] = []
+        self.committed: list[Callable[[], None]] = []
+
+    async def derive(self, db: aiosqlite.Connection, ids: Sequence[int]) -> None:
+        """Derived data (entities, edges, neighbour context) in the same transaction as the memories."""
+        await write_derived(db, ids)
+        for listener in self.stale:
+            listener(ids)
+
+    def changed(self) -> None:
+        """Memories were committed (written, archived or restored)."""
+        for listener in self.committed:
+            listener()
+
+    @asynccontextmanager
+    async def atomic(self) -> AsyncIterator[aiosqlite.Connection]:
+        """A write transaction over memories; `changed()` once it has committed."""
+        async with self.store.atomic() as db:
+            yield db
+        self.changed()

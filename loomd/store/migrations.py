@@ -1,0 +1,250 @@
+"""Numbered schema migrations, applied by `PRAGMA user_version`, one transaction each."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+
+Migration = Callable[[sqlite3.Connection], None]
+MIGRATIONS: list[Migration] = []
+migration = MIGRATIONS.append
+
+MEMORY_KINDS = (
+    "observation", "reflection", "digest", "fact", "decision", "procedure", "error", "constraint",
+    "preference", "handoff", "insight", "task", "evidence",
+)
+EDGE_TYPES = ("derives_from", "supports", "contradicts", "supersedes", "mentions", "relates_to", "co_occurs")
+
+
+def run_script(db: sqlite3.Connection, script: str) -> None:
+    """Run statements one by one: `executescript` would COMMIT and break the migration's transaction."""
+    statement = ""
+    for line in script.splitlines(keepends=True):
+        statement += line
+        if sqlite3.complete_statement(statement):
+            db.execute(statement)
+            statement = ""
+    if statement.strip():
+        raise ValueError(f"incomplete SQL statement in migration: {statement[:80]!r}")
+
+
+@migration
+def m001_initial(db: sqlite3.Connection) -> None:
+    run_script(db, 
+        """
+        CREATE TABLE events (
+            id INTEGER PRIMARY KEY,
+            key TEXT NOT NULL UNIQUE,
+            agent TEXT NOT NULL,
+            session_id TEXT NOT NULL,
+            project TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            source TEXT NOT NULL,
+            ts REAL NOT NULL,
+            received REAL NOT NULL,
+            tool_name TEXT,
+            tool_use_id TEXT,
+            dedup TEXT,
+            tokens INTEGER NOT NULL DEFAULT 0,
+            payload TEXT NOT NULL
+        );
+        CREATE INDEX events_session ON events(session_id, id);
+        CREATE INDEX events_project ON events(project, id);
+        CREATE INDEX events_dedup ON events(session_id, dedup) WHERE dedup IS NOT NULL;
+
+        CREATE TABLE sessions (
+            id TEXT PRIMARY KEY,
+            agent TEXT NOT NULL,
+            project TEXT NOT NULL,
+            cwd TEXT,
+            transcript_path TEXT,
+            transcript_offset INTEGER NOT NULL DEFAULT 0,
+            started REAL NOT NULL,
+            last_seen REAL NOT NULL,
+            ended REAL,
+            start_block TEXT,
+            compact_block TEXT,
+            injected TEXT NOT NULL DEFAULT '[]',
+            captures INTEGER NOT NULL DEFAULT 0
+        );
+        CREATE INDEX sessions_project ON sessions(project, last_seen);
+
+        CREATE TABLE memories (
+            id INTEGER PRIMARY KEY,
+            kind TEXT NOT NULL,
+            text TEXT NOT NULL,
+            project TEXT NOT NULL,
+            scope TEXT NOT NULL DEFAULT 'project' CHECK (scope IN ('user', 'project', 'session')),
+            session_id TEXT,
+            agent TEXT,
+            importance REAL NOT NULL DEFAULT 0.5,
+            tags TEXT NOT NULL DEFAULT '',
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            expires REAL,
+            archived_at REAL,
+            hits INTEGER NOT NULL DEFAULT 0,
+            last_hit REAL,
+            superseded_by INTEGER REFERENCES memories(id),
+            content_hash TEXT NOT NULL,
+            tokens INTEGER NOT NULL DEFAULT 0,
+            origin TEXT NOT NULL DEFAULT 'store',
+            meta TEXT NOT NULL DEFAULT '{}'
+        );
+        CREATE INDEX memories_project ON memories(project, kind, archived_at);
+        CREATE INDEX memories_hash ON memories(project, content_hash);
+        CREATE INDEX memories_session ON memories(session_id);
+
+        CREATE VIRTUAL TABLE memories_fts USING fts5(
+            text, tags, content='memories', content_rowid='id', tokenize='porter unicode61'
+        );
+        CREATE TRIGGER memories_ai AFTER INSERT ON memories BEGIN
+            INSERT INTO memories_fts(rowid, text, tags) VALUES (new.id, new.text, new.tags);
+        END;
+        CREATE TRIGGER memories_ad AFTER DELETE ON memories BEGIN
+            INSERT INTO memories_fts(memories_fts, rowid, text, tags) VALUES ('delete', old.id, old.text, old.tags);
+        END;
+        CREATE TRIGGER memories_au AFTER UPDATE OF text, tags ON memories BEGIN
+            INSERT INTO memories_fts(memories_fts, rowid, text, tags) VALUES ('delete', old.id, old.text, old.tags);
+            INSERT INTO memories_fts(rowid, text, tags) VALUES (new.id, new.text, new.tags);
+        END;
+
+        CREATE TABLE memory_sources (
+            memory_id INTEGER NOT NULL REFERENCES memories(id),
+            event_id INTEGER NOT NULL REFERENCES events(id),
+            PRIMARY KEY (memory_id, event_id)
+        );
+        CREATE INDEX memory_sources_event ON memory_sources(event_id);
+
+        CREATE TABLE entities (
+            id INTEGER PRIMARY KEY,
+            project TEXT NOT NULL,
+            name TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            UNIQUE (project, name)
+        );
+
+        CREATE TABLE edges (
+            src_type TEXT NOT NULL CHECK (src_type IN ('memory', 'entity')),
+            src_id INTEGER NOT NULL,
+            dst_type TEXT NOT NULL CHECK (dst_type IN ('memory', 'entity')),
+            dst_id INTEGER NOT NULL,
+            type TEXT NOT NULL,
+            weight REAL NOT NULL DEFAULT 1.0,
+            created REAL NOT NULL,
+            PRIMARY KEY (src_type, src_id, dst_type, dst_id, type)
+        );
+        CREATE INDEX edges_dst ON edges(dst_type, dst_id, type);
+
+        CREATE TABLE checkpoints (
+            name TEXT PRIMARY KEY,
+            value TEXT NOT NULL,
+            updated REAL NOT NULL
+        );
+
+        CREATE TABLE jobs (
+            id INTEGER PRIMARY KEY,
+            worker TEXT NOT NULL,
+            session_id TEXT,
+            started REAL NOT NULL,
+            ended REAL,
+            items_in INTEGER NOT NULL DEFAULT 0,
+            items_out INTEGER NOT NULL DEFAULT 0,
+            outcome TEXT NOT NULL DEFAULT 'running',
+            error TEXT
+        );
+        CREATE INDEX jobs_worker ON jobs(worker, started);
+
+        CREATE TABLE memory_vectors (
+            memory_id INTEGER PRIMARY KEY REFERENCES memories(id),
+            model TEXT NOT NULL,
+            content_hash TEXT NOT NULL,
+            vec BLOB NOT NULL
+        );
+        CREATE VIRTUAL TABLE memory_vec USING vec0(embedding float[384]);
+        """
+    )
+
+
+@migration
+def m002_retrieval(db: sqlite3.Connection) -> None:
+    """Hybrid retrieval: an FTS column for session neighbours' text, mixed and 1-bit vectors, recurrence pairs.
+
+    The m001 `memory_vec` vec0 table goes: KNN runs on an in-memory 1-bit index re-ranked from `memory_vectors`
+    (loomd/vectors.py says why), so no vector lives in two places.
+    """
+    run_script(db,
+        """
+        ALTER TABLE memories ADD COLUMN ctx TEXT NOT NULL DEFAULT '';
+        CREATE INDEX memories_session_order ON memories(session_id, created, id);
+
+        DROP TRIGGER memories_ai;
+        DROP TRIGGER memories_ad;
+        DROP TRIGGER memories_au;
+        DROP TABLE memories_fts;
+        CREATE VIRTUAL TABLE memories_fts USING fts5(
+            text, tags, ctx, content='memories', content_rowid='id', tokenize='porter unicode61'
+        );
+        CREATE TRIGGER memories_ai AFTER INSERT ON memories BEGIN
+            INSERT INTO memories_fts(rowid, text, tags, ctx) VALUES (new.id, new.text, new.tags, new.ctx);
+        END;
+        CREATE TRIGGER memories_ad AFTER DELETE ON memories BEGIN
+            INSERT INTO memories_fts(memories_fts, rowid, text, tags, ctx)
+                VALUES ('delete', old.id, old.text, old.tags, old.ctx);
+        END;
+        CREATE TRIGGER memories_au AFTER UPDATE OF text, tags, ctx ON memories BEGIN
+            INSERT INTO memories_fts(memories_fts, rowid, text, tags, ctx)
+                VALUES ('delete', old.id, old.text, old.tags, old.ctx);
+            INSERT INTO memories_fts(rowid, text, tags, ctx) VALUES (new.id, new.text, new.tags, new.ctx);
+        END;
+        INSERT INTO memories_fts(memories_fts) VALUES ('rebuild');
+        -- How many memories hold each (stemmed) term: search drops the commonest terms of a long query.
+        CREATE VIRTUAL TABLE memories_fts_vocab USING fts5vocab(memories_fts, 'row');
+
+        DROP TABLE memory_vec;
+        ALTER TABLE memory_vectors ADD COLUMN mixed BLOB;
+        ALTER TABLE memory_vectors ADD COLUMN bits BLOB;
+        ALTER TABLE memory_vectors ADD COLUMN raw_bits BLOB;
+        ALTER TABLE memory_vectors ADD COLUMN recurrence INTEGER NOT NULL DEFAULT 0;
+        CREATE INDEX memory_vectors_hash ON memory_vectors(model, content_hash);
+        CREATE TABLE memory_near (
+            a INTEGER NOT NULL,
+            b INTEGER NOT NULL,
+            cosine REAL NOT NULL,
+            PRIMARY KEY (a, b)
+        ) WITHOUT ROWID;
+
+        ALTER TABLE entities ADD COLUMN mentions INTEGER NOT NULL DEFAULT 0;
+        CREATE INDEX entities_name ON entities(name);
+        CREATE INDEX edges_in ON edges(dst_type, dst_id, type, src_type, src_id);
+        """
+    )
+
+
+@migration
+def m003_worker_jobs(db: sqlite3.Connection) -> None:
+    """Worker runs say what started them (interval, event, manual) and carry a JSON detail (sessions, model use)."""
+    run_script(db,
+        """
+        ALTER TABLE jobs ADD COLUMN trigger TEXT;
+        ALTER TABLE jobs ADD COLUMN detail TEXT NOT NULL DEFAULT '{}';
+        CREATE INDEX jobs_outcome ON jobs(outcome) WHERE outcome = 'running';
+        """
+    )
+
+
+@migration
+def m004_search_indexes(db: sqlite3.Connection) -> None:
+    """Time order for timelines and recency; the FTS vocabulary (m002 gained it after some databases ran it)."""
+    run_script(db,
+        """
+        CREATE INDEX IF NOT EXISTS memories_created ON memories(created, id);
+        CREATE VIRTUAL TABLE IF NOT EXISTS memories_fts_vocab USING fts5vocab(memories_fts, 'row');
+        """
+    )
+
+
+@migration
+def m005_start_block_index(db: sqlite3.Connection) -> None:
+    """The start block reads the top memories of each kind: one short index range per kind, even at 100k rows."""
+    run_script(db, "CREATE INDEX IF NOT EXISTS memories_rank ON memories(project, kind, importance, updated);")

@@ -1,0 +1,153 @@
+"""The evidence tier: every step of a session kept searchable as passages, not only what the rules distil.
+
+A step is a user prompt, an assistant message, a tool call with its input and its result, a compaction summary or
+a subagent's report (`steps.to_steps` pairs and merges them). Its full text — up to `MAX_ITEM_CHARS`, head and tail
+kept — is cut into overlapping passages of at most `PASSAGE_CHARS` at line and word boundaries, each opened by a
+short header naming where it came from ("Bash `npm test`:"), so a passage deep in a tool result still says which
+command printed it. Each passage is an `evidence` memory linked to its source events: the same FTS5, vector,
+graph, recency and recurrence signals find it, and `detail`/`evidence` lead back to the events. Pure functions:
+the observer writes them, in the transaction that moves its watermark.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loomd.ingest.reading import EDIT_TOOLS, clip, short_command
+from loomd.workers.steps import Step
+
+PASSAGE_CHARS = 720  # a passage, header included: 5 of them stay within 900 tokens, most far less
+OVERLAP_CHARS = 160  # carried over from the passage before, so an answer on a boundary is whole in one of them
+MAX_ITEM_CHARS = 16_000  # longer step texts keep their head and tail (the middle of a long log says least)
+MIN_PASSAGE_CHARS = 12  # shorter texts ("ok", "y") say nothing on their own
+EVIDENCE_IMPORTANCE = 0.2  # below any distilled memory: when equally relevant, the dense memory wins
+_INPUT_FIELDS = ("file_path", "path", "notebook_path", "pattern", "url", "query", "description", "prompt",
+                 "old_string", "new_string", "content", "patch", "input", "todos", "questions", "answers", "plan")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    text: str
+    ts: float
+    sources: list[int]
+    role: str  # the step's role: user, assistant, run, compact, summary
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def tool_input_text(step: Step) -> str:
+    """What a tool call asked for, readable: the command line, the file and its change, or the input's fields."""
+    inp = step.tool_input
+    if step.command:
+        return step.command
+    if step.tool in EDIT_TOOLS or any(k in inp for k in _INPUT_FIELDS):
+        parts = [f"{k}: {_value(inp[k])}" for k in _INPUT_FIELDS if k in inp and inp[k] not in (None, "", [])]
+        if parts:
+            return "\n".join(parts)
+    return _value(inp) if inp else ""
+
+
+def header(step: Step) -> str:
+    """Where a passage comes from, in a few words."""
+    if step.role == "run":
+        if step.command:
+            return f"{step.tool or 'shell'} `{short_command(step.command, 70)}`:"
+        target = step.tool_input.get("file_path") or step.tool_input.get("path") or ""
+        return f"{step.tool} {clip(str(target), 70)}:" if target else f"{step.tool}:"
+    return {"user": "User:", "assistant": "Assistant:", "compact": "Compaction summary:",
+            "summary": "Summary:"}.get(step.role, f"{step.role}:")
+
+
+def step_text(step: Step) -> str:
+    """A step's whole text: a tool call's input joined with its result."""
+    if step.role != "run":
+        return step.text
+    asked = tool_input_text(step)
+    if step.command:  # the header names the command; a long one (a heredoc) still keeps its body here
+        asked = step.command if len(step.command) > 70 else ""
+    result = ("(failed) " if step.failed else "") + step.text
+    return "\n".join(part for part in (asked, result) if part.strip())
+
+
+def head_and_tail(text: str, limit: int = MAX_ITEM_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n…[{len(text) - limit} chars left out]…\n{text[-half:]}"
+
+
+_BREAK = re.compile(r"\s")
+
+
+def _split_long(line: str, width: int) -> list[str]:
+    """A line wider than `width`, cut at whitespace (never inside a word, path or hash when there is a space)."""
+    out = []
+    while len(line) > width:
+        cut = max((m.start() for m in _BREAK.finditer(line, 0, width + 1)), default=-1)
+        if cut <= width // 3:
+            cut = width  # one unbroken token (minified code, a base64 run): cut it
+        out.append(line[:cut].rstrip())
+        line = line[cut:].lstrip()
+    if line:
+        out.append(line)
+    return out
+
+
+def passages(text: str, head: str, *, size: int = PASSAGE_CHARS, overlap: int = OVERLAP_CHARS) -> list[str]:
+    """`text` as passages of at most `size` characters, each opened by `head`; consecutive passages share up to
+    `overlap` characters of whole lines."""
+    body = size - len(head) - 1
+    lines = [piece for raw in text.splitlines() if raw.strip() for piece in _split_long(raw.strip(), body)]
+    out: list[str] = []
+    current: list[str] = []
+    used = 0
+    for line in lines:
+        if current and used + len(line) + 1 > body:
+            out.append(f"{head} " + "\n".join(current))
+            kept: list[str] = []
+            carried = 0
+            for previous in reversed(current):
+                if carried + len(previous) + 1 > overlap:
+                    break
+                kept.insert(0, previous)
+                carried += len(previous) + 1
+            current, used = kept, carried
+        current.append(line)
+        used += len(line) + 1
+    if current:
+        out.append(f"{head} " + "\n".join(current))
+    return out
+
+
+def evidence_of(steps: Sequence[Step], new_ids: set[int]) -> list[Evidence]:
+    """Passages for the steps that hold a new event (earlier steps were written by an earlier run). A tool call
+    seen twice (its hook and its transcript copy) is kept once, by the fuller text."""
+    by_call: dict[str, Step] = {}
+    chosen: list[Step] = []
+    for step in steps:
+        if step.role not in ("user", "assistant", "run", "compact", "summary") or not new_ids.intersection(step.ids):
+            continue
+        call = step.call if step.role == "run" else ""
+        if call and call in by_call:
+            if len(step.text) > len(by_call[call].text):
+                chosen[chosen.index(by_call[call])] = step
+                by_call[call] = step
+            continue
+        if call:
+            by_call[call] = step
+        chosen.append(step)
+    out = []
+    for step in chosen:
+        text = head_and_tail(step_text(step))
+        if len(text.strip()) < MIN_PASSAGE_CHARS:
+            continue
+        out += [Evidence(p, step.ts, list(step.ids), step.role) for p in passages(text, header(step))]
+    return out

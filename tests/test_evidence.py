@@ -1,0 +1,90 @@
+"""The evidence tier (loomd/workers/evidence.py): every step of a session searchable as passages.
+
+Pure passage cutting first, then a real daemon on a real transcript: a line deep inside a long tool result is found
+by `search` as an evidence passage, and `evidence` leads from that passage back to its source events."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from conftest import need_test_data
+
+from loomd.client import AsyncClient
+from loomd.daemon import Daemon
+from loomd.workers.evidence import MAX_ITEM_CHARS, PASSAGE_CHARS, evidence_of, head_and_tail, passages
+from loomd.workers.steps import Step
+
+REAL = "daaain-claude-code-log/-Users-dain-workspace-danieldemmel-me-next"
+
+
+def test_passages_stay_within_size_and_overlap() -> None:
+    text = "\n".join(f"line {i}: the build step {i} wrote dist/bundle-{i:04d}.js in {i * 7} ms" for i in range(200))
+    out = passages(text, "Bash `npm run build`:")
+    assert len(out) > 5
+    assert all(len(p) <= PASSAGE_CHARS and p.startswith("Bash `npm run build`: ") for p in out)
+    body = [p.removeprefix("Bash `npm run build`: ").splitlines() for p in out]
+    for before, after in zip(body, body[1:], strict=False):
+        assert before[-1] in after[:3]  # the last lines of one passage open the next: nothing falls between
+    assert {ln for b in body for ln in b} == set(text.splitlines())
+
+
+def test_passages_never_cut_inside_a_word_when_there_is_space() -> None:
+    words = [f"src/module_{i}/handler.py" for i in range(120)]
+    out = passages(" ".join(words), "Read:")
+    pieces = [w for p in out for w in p.removeprefix("Read: ").split()]
+    assert set(pieces) == set(words)
+
+
+def test_a_long_item_keeps_head_and_tail() -> None:
+    text = "HEAD " + "x " * 20_000 + " TAIL"
+    kept = head_and_tail(text)
+    assert len(kept) < MAX_ITEM_CHARS + 100 and kept.startswith("HEAD") and kept.endswith("TAIL")
+    assert "chars left out" in kept
+
+
+def test_a_tool_run_is_its_input_and_its_result_and_a_call_seen_twice_counts_once() -> None:
+    edit = Step("run", "The file has been updated.", 1.0, [1], tool="Edit",
+                tool_input={"file_path": "app/config.py", "old_string": "RETRIES = 3", "new_string": "RETRIES = 5"},
+                call="tu1")
+    hook_copy = Step("run", "The file has been updated.", 1.0, [2], tool="Edit", tool_input=edit.tool_input,
+                     call="tu1")
+    shell = Step("run", "ERROR: unmet peer vitest@^3.2.0", 2.0, [3], tool="Bash", command="pnpm install",
+                 failed=True, call="tu2")
+    found = evidence_of([edit, hook_copy, shell], {1, 2, 3})
+    assert [e.sources for e in found] == [[1], [3]]
+    assert "app/config.py" in found[0].text and "RETRIES = 5" in found[0].text and "RETRIES = 3" in found[0].text
+    assert found[1].text.startswith("Bash `pnpm install`:") and "unmet peer vitest@^3.2.0" in found[1].text
+    assert evidence_of([edit, shell], {3}) == found[1:]  # only steps holding a new event
+
+
+def _deep_line(path: Path) -> str:
+    """A distinctive line from the middle of the file's longest tool result (read here with plain JSON)."""
+    longest = ""
+    for raw in path.read_text().splitlines():
+        content = (json.loads(raw).get("message") or {}).get("content")
+        for block in content if isinstance(content, list) else []:
+            if isinstance(block, dict) and block.get("type") == "tool_result":
+                text = block["content"] if isinstance(block["content"], str) else json.dumps(block["content"])
+                longest = max(longest, text, key=len)
+    assert len(longest) > 3000
+    middle = longest[len(longest) // 2:]
+    return next(ln.strip() for ln in middle.splitlines()[1:] if len(re.findall(r"[a-z]{3,}", ln)) >= 3)
+
+
+async def test_a_line_deep_in_a_tool_result_is_found_as_evidence(client: AsyncClient, daemon: Daemon) -> None:
+    path = next(need_test_data("transcripts", REAL).glob("*.jsonl"))
+    assert daemon.tailer is not None
+    imported = await daemon.tailer.import_file(path)
+    (session,) = imported["sessions"]
+    run = await client.call("workers_run", name="observer", session_id=session, final=True)
+    assert run["outcome"] == "ok" and run["detail"]["evidence"] > 0
+    line = _deep_line(path)
+    project = (await client.call("events", session_id=session, limit=1))["events"][0]["project"]
+    found = await client.call("search", query=line, mode="keyword", project=project, limit=5)
+    evidence = [r for r in found["results"] if r["kind"] == "evidence" and line in r["text"]]
+    assert evidence, (line, [r["text"][:80] for r in found["results"]])
+    assert len(evidence[0]["text"]) <= PASSAGE_CHARS
+    sources = (await client.call("evidence", id=evidence[0]["id"], max_chars=20_000))["memories"][0]["events"]
+    assert any(line in e["text"] for e in sources)

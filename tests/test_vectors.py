@@ -1,0 +1,106 @@
+"""sqlite-vec on the stored vectors: a real daemon back-fills real local-model embeddings, then sqlite-vec's SQL
+(what the vector signal's exact re-rank runs, and what a script can run on the database) is checked against the
+numpy cosine over the same blobs, and against the daemon's own semantic search."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from conftest import caught_up
+
+from loomd.client import AsyncClient
+from loomd.daemon import Daemon
+from loomd.store.db import connect_sync
+from loomd.vectors.index import as_matrix, sign_bits
+
+TEXTS = [
+    "pytest fails on tests/test_embed.py with ImportError: no module named onnxruntime",
+    "My kid really enjoys painting the sunset on weekends.",
+    "The deploy uses rsync to the staging host.",
+    "Bananas are rich in potassium.",
+    "We chose postgres over mysql for the billing service.",
+    "The websocket reconnect test is flaky on CI again.",
+    "Use ruff instead of flake8 and black in this repository.",
+    "The cache lives in redis with a one hour TTL.",
+    "Grandma's apple pie recipe needs cinnamon and nutmeg.",
+    "Refactor the tailer so it never blocks the event loop.",
+    "Our team hikes in the Alps every August.",
+    "The daemon's socket lives under $XDG_RUNTIME_DIR/loomd.",
+    "mypy complains about an untyped decorator in cli.py.",
+    "I prefer tabs for Makefiles and spaces everywhere else.",
+    "The staging database was restored from last night's backup.",
+    "Learning Portuguese before the trip to Lisbon.",
+]
+QUERIES = ["my daughter loves art", "which database did we pick", "lint and format tools", "flaky tests",
+           "holiday plans", "where is the socket"]
+
+
+def sql_distances(conn: Any, column: str, query: bytes) -> list[tuple[int, float]]:
+    return [(r[0], r[1]) for r in conn.execute(
+        f"SELECT memory_id, vec_distance_cosine({column}, ?) AS d FROM memory_vectors ORDER BY d, memory_id",
+        (query,))]
+
+
+def assert_same_ranking(sql: list[tuple[int, float]], cosines: dict[int, float]) -> None:
+    """The SQL order is the numpy order: cosine = 1 - distance, and any pair SQL puts in another order than numpy
+    does is a tie within float32 rounding."""
+    for memory_id, distance in sql:
+        assert abs((1.0 - distance) - cosines[memory_id]) < 1e-5, memory_id
+    numpy_order = sorted(cosines, key=lambda i: (-cosines[i], i))
+    for got, want in zip((i for i, _ in sql), numpy_order, strict=True):
+        assert got == want or abs(cosines[got] - cosines[want]) < 1e-5
+
+
+async def test_sqlite_vec_cosine_ranks_the_stored_vectors_as_numpy_does(
+    client: AsyncClient, daemon: Daemon, home: Path,
+) -> None:
+    for i, text in enumerate(TEXTS):
+        await client.call("store", text=text, project="p", session_id=f"s{i // 4}")  # neighbours: mixed != raw
+    status = await caught_up(client)
+    assert status["state"] == "ready" and status["vectors"] == len(TEXTS)
+    embedder = daemon.vectors.embedder
+    assert embedder is not None
+    conn = connect_sync(home / "loomd.db")  # what a script does: loomd's driver, sqlite-vec loaded
+    try:
+        rows = conn.execute("SELECT memory_id, vec, mixed, bits, raw_bits, vec_length(vec), vec_length(mixed)"
+                            " FROM memory_vectors ORDER BY memory_id").fetchall()
+        assert {(r[5], r[6]) for r in rows} == {(embedder.dim, embedder.dim)}
+        assert any(r[1] != r[2] for r in rows)
+        ids = [r[0] for r in rows]
+        for column, at in (("vec", 1), ("mixed", 2)):
+            blobs = as_matrix([r[at] for r in rows], embedder.dim)
+            # The stored bits are sqlite-vec's own binary quantisation of the stored vectors.
+            quantised = conn.execute(f"SELECT vec_quantize_binary({column}) FROM memory_vectors ORDER BY memory_id")
+            assert [q[0] for q in quantised] == sign_bits(blobs) == [r[3 if column == "mixed" else 4] for r in rows]
+            for query in QUERIES:
+                vector = np.frombuffer(embedder.embed([query])[0], dtype="<f4")
+                cosines = dict(zip(ids, (blobs @ vector).tolist(), strict=True))
+                assert_same_ranking(sql_distances(conn, column, vector.tobytes()), cosines)
+                # vec_f32 reads the same blob from JSON text (what a script without numpy would pass).
+                as_json = conn.execute("SELECT vec_distance_cosine(vec_f32(?), ?)",
+                                       (str(vector.tolist()), rows[0][at])).fetchone()[0]
+                assert abs((1.0 - as_json) - cosines[ids[0]]) < 1e-5
+        # The daemon's semantic search (index prefilter, then the SQL re-rank) finds the exact nearest, in order,
+        # with sqlite-vec's cosines.
+        for query in QUERIES:
+            vector = np.frombuffer(embedder.embed([query])[0], dtype="<f4")
+            exact = sql_distances(conn, "mixed", vector.tobytes())[:5]
+            found = (await client.call("search", query=query, project="p", mode="semantic", limit=5,
+                                       explain=True))["results"]
+            assert [r["id"] for r in found] == [i for i, _ in exact], query
+            for hit, (_, distance) in zip(found, exact, strict=True):
+                assert abs(hit["explain"]["vec"]["score"] - (1.0 - distance)) < 1e-4
+    finally:
+        conn.close()
+
+
+async def test_semantic_search_timings_name_the_vector_stages(client: AsyncClient) -> None:
+    for text in TEXTS[:4]:
+        await client.call("store", text=text, project="p")
+    await caught_up(client)
+    reply = await client.call("search", query="my daughter loves art", project="p", mode="semantic", explain=True)
+    timings = reply["timings"]
+    assert {"embed_ms", "vec_rank_ms", "vec_rerank_ms", "vec_ms"} <= set(timings)
+    assert timings["vec_ms"] >= timings["vec_rerank_ms"] >= 0
