@@ -2,10 +2,14 @@
 
 Every rule is a precompiled pattern whose variable-length parts are possessive or bounded and
 anchored by a look-behind, so no input can make a match backtrack over more than a bounded window.
-A rule only runs when one of its trigger substrings occurs in the text (the fast path).
+A rule only runs when one of its trigger substrings occurs in the text (the fast path); a rule whose
+pattern cannot begin with a literal is tried only where a plain search says it can start (`starts`).
+How much of a corpus of realistic secrets it catches, and what it takes out of real transcripts, is
+measured by bench/redaction.py (tests/secret_corpus.py is the corpus).
 """
 
 import binascii
+import hashlib
 import math
 import re
 from collections import Counter
@@ -147,7 +151,12 @@ _SECRET_SUFFIXES = (
     "apikey", "apikeys", "accesskey", "privatekey", "secretkey", "credential", "credentials",
 )  # fmt: skip
 # Too short to match inside a segment (`bypass`, `oauth`); only a whole segment counts.
-_SECRET_EXACT = frozenset({"pass", "pwd", "auth", "creds", "cred", "sig", "signature"})
+_SECRET_EXACT = frozenset(
+    {
+        "pass", "pwd", "auth", "creds", "cred", "sig", "signature", "psk", "passin", "passout",
+        "storepass", "keypass", "srcstorepass", "deststorepass", "srckeypass", "destkeypass",
+    }
+)  # fmt: skip
 # `<word>_key` pairs that are secret; a bare `key` (cache_key, primary_key) is not.
 _KEY_PREFIXES = frozenset(
     {
@@ -195,6 +204,22 @@ _DENY_BEFORE_TOKENS = _DENY_BEFORE_TOKEN | frozenset(
 )  # fmt: skip
 # Secret words common in ordinary code (`sig`, `auth`, `tokens`): their value must look like a token.
 _WEAK_WORDS = frozenset({"tokens", "auth", "sig", "signature", "cred", "creds"})
+# A wallet's words: `MNEMONIC`, `seed_phrase`, `recoveryPhrase`; the value must be 12 to 24 words.
+_PHRASE_PREFIXES = frozenset({"seed", "recovery", "secret", "backup", "wallet", "mnemonic"})
+# An upper-case `<WORD>_KEY` outside `_KEY_PREFIXES` (`MAILCHIMP_KEY`, `PUSHER_KEY`) holds a key when its value
+# looks like a token; these words make it a key of something else.
+_NOT_SECRET_KEY_PREFIXES = frozenset(
+    {
+        "primary", "foreign", "sort", "partition", "cache", "hash", "idempotency", "dedup", "dedupe", "lookup",
+        "map", "dict", "group", "row", "column", "col", "index", "unique", "composite", "public", "pub", "range",
+        "shard", "routing", "object", "s3", "file", "message", "event", "react", "list", "item", "node", "entity",
+        "record", "table", "field", "attribute", "attr", "prop", "property", "query", "search", "hot", "short",
+        "shortcut", "keyboard", "press", "modifier", "translation", "i18n", "locale", "lang", "label", "title",
+        "cursor", "page", "pagination", "start", "end", "next", "last", "first", "parent", "child", "join",
+        "natural", "surrogate", "candidate", "alternate", "super", "meta", "state", "store", "redis", "registry",
+        "host", "dns", "gpg", "pgp", "ssh", "signing",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,20 +227,36 @@ class _SecretName:
     kind: str
     weak: bool
     counted: bool  # `token`/`tokens`: a number after it is an id or a count, not a secret
+    loose: bool = False  # `MAILCHIMP_KEY`: secret only when the value looks like a token, even in redact_value
+    phrase: bool = False  # `MNEMONIC`: secret only when the value is a 12- to 24-word phrase
 
 
 @lru_cache(maxsize=4096)
 def _secret_name(name: str) -> _SecretName | None:
     """Classify an identifier such as `DB_PASSWORD`, `apiKey` or `X-Auth-Token`; None if not secret."""
     # Only the last dotted part names the value: `self.password` is secret, `Token.Keyword` is not.
-    segs = [s.lower() for s in _SEGMENT_RE.findall(name.rsplit(".", 1)[-1])]
+    last = name.rsplit(".", 1)[-1]
+    segs = [s.lower() for s in _SEGMENT_RE.findall(last)]
     hit = -1
     for i, seg in enumerate(segs):
         if seg in _SECRET_EXACT or seg.endswith(_SECRET_SUFFIXES):
             hit = i
         elif seg in ("key", "keys") and i and segs[i - 1] in _KEY_PREFIXES:
             hit = i
-    if hit < 0 or any(s in _DENY_AFTER for s in segs[hit + 1 :]):
+    if hit < 0:
+        if segs and segs[-1] in ("mnemonic", "mnemonics", "seedphrase") or (
+            len(segs) > 1 and segs[-1] in ("phrase", "words") and segs[-2] in _PHRASE_PREFIXES
+        ):
+            return _SecretName("mnemonic", False, False, phrase=True)
+        if (
+            len(segs) > 1
+            and segs[-1] in ("key", "keys")
+            and segs[-2] not in _NOT_SECRET_KEY_PREFIXES
+            and _ENV_NAME_RE.fullmatch(last.lstrip("_"))
+        ):
+            return _SecretName("env_secret", True, False, loose=True)
+        return None
+    if any(s in _DENY_AFTER for s in segs[hit + 1 :]):
         return None
     word = segs[hit]
     deny_before = _DENY_BEFORE_TOKENS if word.endswith("tokens") else _DENY_BEFORE_TOKEN
@@ -232,7 +273,7 @@ def _secret_name(name: str) -> _SecretName | None:
 _ASSIGN_RE = re.compile(
     r"""
     (?<![A-Za-z0-9_.\-])(?<!::)(?<!\[REDACTED:)
-    (?=[A-Za-z0-9_.\-]{0,64}?(?i:pass|pwd|secret|token|key|auth|cred|sig))
+    (?=[A-Za-z0-9_.\-]{0,64}?(?i:pass|pwd|secret|token|key|auth|cred|sig|psk))
     (?P<name>[A-Za-z0-9_.\-]{1,128}+)
     (?P<close>\\{0,8}["'])?\]?
     (?:
@@ -251,7 +292,7 @@ _ASSIGN_RE = re.compile(
     """,
     re.VERBOSE,
 )
-_ASSIGN_WORD_RE = re.compile(r"(?i:pass|pwd|secret|token|key|auth|cred|sig)")
+_ASSIGN_WORD_RE = re.compile(r"(?i:pass|pwd|secret|token|key|auth|cred|sig|psk)")
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 
 
@@ -328,10 +369,48 @@ def _token_like(value: str) -> bool:
     return 2 * sum(len(w) for w in _WORDY_RE.findall(value)) <= letters
 
 
+_PHRASE_WORD_RE = re.compile(r"[a-z]{3,8}")
+# Words of descriptions and help texts, never of a diceware passphrase or a wallet's words.
+_STOPWORDS = frozenset(
+    {
+        "the", "a", "an", "to", "of", "for", "in", "on", "at", "by", "with", "from", "and", "or", "not", "no", "is",
+        "are", "be", "was", "were", "been", "your", "you", "my", "our", "their", "this", "that", "these", "it", "its",
+        "as", "if", "use", "used", "uses", "using", "enter", "here", "please", "must", "should", "will", "can",
+        "may", "required", "optional", "new", "current", "old", "user", "users", "password", "passwords",
+        "passphrase", "token", "key", "secret", "value", "set", "get", "when", "than", "then", "there", "which",
+        "who", "what", "how", "all", "any", "each", "only", "also", "into", "via", "per", "default", "leave",
+        "empty", "blank", "none", "null", "true", "false", "example", "sample", "test", "change", "changeme",
+        "characters", "chars", "least", "more", "less", "minimum", "maximum",
+    }
+)  # fmt: skip
+
+
+def _diceware(value: str) -> bool:
+    """`tundra mosaic ladle crimson`: a few lower-case words joined by spaces or dashes, none of them a word
+    that a description would use."""
+    words = value.replace("-", " ").split()
+    return (
+        3 <= len(words) <= 12
+        and all(w.isalpha() and w.islower() and w.isascii() and 2 <= len(w) <= 12 for w in words)
+        and _STOPWORDS.isdisjoint(words)
+        and len(set(words)) == len(words)
+    )
+
+
+def _mnemonic_like(value: str) -> bool:
+    """A BIP39 wallet's words: 12, 15, 18, 21 or 24 lower-case words of 3 to 8 letters."""
+    words = value.split()
+    if len(words) not in (12, 15, 18, 21, 24) or not all(_PHRASE_WORD_RE.fullmatch(w) for w in words):
+        return False
+    return not _sentence(words)
+
+
 def _keep_value(m: re.Match[str], info: _SecretName, value: str, quoted: bool) -> bool:
     """True when the value after a secret-named key is not a literal secret (a reference, a call, a type)."""
     if len(value.strip()) < 4 or _has_marker(value):
         return True  # nothing a secret could be
+    if info.phrase:
+        return not _mnemonic_like(value)
     if info.weak and not _token_like(value):
         return True  # `sig == "tuple"`, `auth: basic`, `tokens: OAuthToken`
     sep = (m.group("sep") or "=").strip()
@@ -354,7 +433,7 @@ def _keep_value(m: re.Match[str], info: _SecretName, value: str, quoted: bool) -
             return True  # an f-string is interpolated; a raw string with metacharacters is a regex
         if value.lower() in (name.rsplit(".", 1)[-1].lower(), "true", "false", "null", "none", "yes", "no"):
             return True  # `EXPIRED_TOKEN = "expired_token"`, `"...-Credentials": "true"`
-        if len(value.split()) >= 4 and not info.weak and "passphrase" not in name.lower():
+        if len(value.split()) >= 4 and not info.weak and "passphrase" not in name.lower() and not _diceware(value):
             return True  # prose: a help text or a description under a secret-named key
         return _PLACEHOLDER_RE.fullmatch(value) is not None or _COLOUR_RE.fullmatch(value) is not None
     bare = value.rstrip(".,:;")
@@ -427,6 +506,8 @@ def _replace_cli_flag(m: re.Match[str]) -> str:
         return m.group(0)
     if _PLACEHOLDER_RE.fullmatch(stripped) or stripped[0] in "$%{<[" or not _plausible_secret(stripped):
         return m.group(0)  # `--password "$PW"`, or prose: `the --password option`
+    if _OTHER_SOURCE_RE.match(stripped):
+        return m.group(0)  # `-passin env:VAR`, `-passin file:path`
     if _ENV_NAME_RE.fullmatch(stripped):
         return m.group(0)  # `--secrets HF_TOKEN` names a variable
     start = m.start("value")
@@ -436,10 +517,8 @@ def _replace_cli_flag(m: re.Match[str]) -> str:
 
 _ENV_NAME_RE = re.compile(r"[A-Z][A-Z0-9]*_[A-Z0-9_]+")
 
-# `curl -u user:pass`, `mysql -pSECRET`, `sshpass -p SECRET`
+# `curl -u user:pass`
 _CLI_USERPASS_RE = re.compile(r"(?<!\S)(?:-u|--user)[ \t]++[\"']?[^\s:\"'\[]++:(?P<pw>[^\s\"']++)")
-_MYSQL_LINE_RE = re.compile(r"(?im)^[^\n]*\b(?:mysql|mysqldump|mysqladmin|mariadb|sshpass)\b[^\n]*")
-_MYSQL_P_RE = re.compile(r"(?<!\S)-p(?P<sp>[ \t]*)(?P<pw>[^\s\"'-][^\s\"']*+)")
 
 
 def _replace_cli_userpass(m: re.Match[str]) -> str:
@@ -450,16 +529,341 @@ def _replace_cli_userpass(m: re.Match[str]) -> str:
     return m.group(0)[:start] + _marker("cli_password")
 
 
-def _replace_mysql_line(m: re.Match[str]) -> str:
-    line = m.group(0)
-    spaced_ok = "sshpass" in line.lower()  # for mysql, `-p name` prompts and `name` is the database
+# ---------------------------------------------------------------------------------------------
+# Commands that take a password as an argument: `redis-cli -a PW`, `keytool -storepass PW`, `mysql -pPW`,
+# `zip -P PW`, `htpasswd -b FILE USER PW`, `sqlplus USER/PW@DB`, `mc alias set NAME URL KEY SECRET`,
+# `aws configure set aws_secret_access_key SECRET`. Each command's own flags, so `-p` is a password only where
+# that command means one (`docker login -p`, not `docker run -p 8080:80`).
 
-    def one(p: re.Match[str]) -> str:
-        if (p.group("sp") and not spaced_ok) or _has_marker(p.group("pw")) or p.group("pw").startswith("$"):
-            return p.group(0)
-        return "-p" + p.group("sp") + _marker("cli_password")
+# One argument: quoted (single, or double with any depth of JSON escaping), a `<placeholder>`, or a bare word;
+# adjacent pieces join (`-p'pw'`). It stops at a separator (`;`, `|`, `&`, a backtick, a bracket) or a newline,
+# escaped (`\n` in JSON) or not.
+_ARG = (
+    r"""(?:'[^'\r\n]*+'?|\\*+"(?:[^"\\\r\n]++|\\++(?!"))*+(?:\\*+")?|<[^<>\s]{1,64}+>"""
+    r"""|[^\s'"\\;|&`<>()]++|\\++(?![nrt"\\]))++"""
+)
+_ARG_RE = re.compile(_ARG)
+_QUOTE_OPEN_RE = re.compile(r"""\\*+["']""")
+_OTHER_SOURCE_RE = re.compile(r"(?:env|file|fd):|stdin$")  # `openssl -passin env:VAR`, `file:path`
 
-    return _MYSQL_P_RE.sub(one, line)
+
+def _arg_inner(text: str, start: int, end: int) -> tuple[int, int, bool]:
+    """The argument's leading quoted part without its quotes (`"name":` gives `name`): (start, end, quoted)."""
+    q = _QUOTE_OPEN_RE.match(text, start, end)
+    if q is None:
+        return start, end, False
+    close = text.find(q.group(), q.end(), end)  # the same quote, escaped the same way
+    return q.end(), end if close < 0 else close, True
+
+
+def _cli_secret(text: str, start: int, end: int, forced: bool = False, split: str = "") -> tuple[int, int] | None:
+    """The span of the secret in an argument, or None for a reference (`$PW`, `env:PW`), a flag or a placeholder.
+    Unless `forced` (the secret is glued to its flag, or the argument is known to be one) a bare word must look
+    like a password, so prose about a flag (`the -a option`) stays."""
+    start, end, quoted = _arg_inner(text, start, end)
+    value = text[start:end]
+    if split:
+        cut = value.find(split)
+        if cut < 0:
+            return None  # `-U user` with no `%password`
+        start += cut + 1
+        value = value[cut + 1 :]
+    if value.startswith("pass:"):
+        start, value, forced = start + 5, value[5:], True
+    elif _OTHER_SOURCE_RE.match(value):
+        return None
+    if not value or value[0] in "$%-" or _has_marker(value) or _PLACEHOLDER_RE.fullmatch(value):
+        return None
+    if not (quoted or forced or _plausible_secret(value)):
+        return None
+    return start, start + len(value)
+
+
+@dataclass(frozen=True, slots=True)
+class _Cli:
+    # The next argument is the secret: `-a PW`, `-storepass PW`, nmcli's `password PW`.
+    flags: frozenset[str] = frozenset()
+    # The secret is glued to this flag: mysql's `-pPW` (a spaced `-p name` prompts, and `name` is the database).
+    glued: str = ""
+    # Only once these words lead the command (in order, among its first words): `login`, `configure set`.
+    after: tuple[str, ...] = ()
+    # The secret is the n-th word after `after` (flags and the values of `takes` skipped): `cargo login TOKEN`.
+    nth: int = 0
+    takes: frozenset[str] = frozenset()
+    # The secret follows this character in the flag's value: `smbclient -U user%PW`.
+    split: str = ""
+    # `NAME VALUE` after `after`: the value is the secret when NAME names one (`http-basic.REPO USER PW`: the second).
+    setting: bool = False
+
+
+# Setting names that hold credentials though their last part does not say so (composer, poetry).
+_CREDENTIAL_SETTINGS = ("http-basic.", "github-oauth.", "gitlab-oauth.", "gitlab-token.", "bitbucket-oauth.",
+                        "bearer.", "pypi-token.")  # fmt: skip
+
+
+def _cli_secrets(spec: _Cli, text: str, origin: int, args: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The secrets among the arguments of a command that starts at `origin`."""
+    out: list[tuple[int, int]] = []
+    words: list[tuple[int, int]] = []
+    led = not spec.after
+    pending = lead = 0
+    i = 0
+    while i < len(args):
+        start, end = args[i]
+        token = text[start:end]
+        if token in spec.flags:
+            if led and i + 1 < len(args) and (span := _cli_secret(text, *args[i + 1], split=spec.split)):
+                out.append(span)
+            i += 2
+            continue
+        if token.startswith("-") and len(token) > 1:
+            if led and spec.glued and token.startswith(spec.glued) and len(token) > len(spec.glued):
+                if span := _cli_secret(text, start + len(spec.glued), end, forced=True):
+                    out.append(span)
+            i += 2 if token in spec.takes else 1
+            continue
+        if not led:
+            lead += 1
+            # The first subcommand word is where _cli_starts finds the command: after a space, near it.
+            near = pending or (text[start - 1] == " " and start - origin <= _SUB_REACH)
+            if token == spec.after[pending] and near:
+                pending += 1
+                led = pending == len(spec.after)
+            elif lead > 3:
+                break
+        else:
+            words.append((start, end))
+        i += 1
+    plain = [(start, end) for start, end in words if "=" not in text[start:end]]  # `key=value` is an assignment
+    if spec.nth and len(plain) >= spec.nth:
+        if span := _cli_secret(text, *plain[spec.nth - 1]):
+            out.append(span)
+    if spec.setting and len(words) >= 2:
+        name_start, name_end, _ = _arg_inner(text, *words[0])
+        name = text[name_start:name_end]
+        at = 2 if name.startswith("http-basic.") else 1  # `http-basic.REPO USER PW`
+        known = "=" not in name and not _has_marker(name) and len(words) > at
+        if known and (_secret_name(name) is not None or name.startswith(_CREDENTIAL_SETTINGS)):
+            if span := _cli_secret(text, *words[at]):
+                out.append(span)
+    return out
+
+
+def _htpasswd_secrets(text: str, args: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`htpasswd -b[c] FILE USER PW`, `htpasswd -nb USER PW`: the password is an argument only with `-b`."""
+    letters = ""
+    words: list[tuple[int, int]] = []
+    skip = False
+    for start, end in args:
+        token = text[start:end]
+        if skip:
+            skip = False
+        elif token.startswith("-") and len(token) > 1 and not token.startswith("--"):
+            letters += token[1:]
+            skip = token[-1] in "Cr"  # `-C cost`, `-r rounds`
+        else:
+            words.append((start, end))
+    at = 1 if "n" in letters else 2
+    if "b" not in letters or len(words) <= at:
+        return []
+    span = _cli_secret(text, *words[at], forced=True)
+    return [span] if span else []
+
+
+_SLASH_LOGIN_RE = re.compile(r"[^/\s@'\"\\]++/(?P<pw>[^@\s/'\"\\]++)")
+
+
+def _slash_login_secrets(text: str, args: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Oracle tools: `sqlplus USER/PW@DB`, the first word after the flags."""
+    for start, end in args:
+        if text.startswith("-", start):
+            continue
+        start, end, _ = _arg_inner(text, start, end)
+        m = _SLASH_LOGIN_RE.match(text, start, end)
+        if m is not None and (span := _cli_secret(text, *m.span("pw"), forced=True)):
+            return [span]
+        return []
+    return []
+
+
+def _flags(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+_CliSpec = _Cli | Callable[[str, list[tuple[int, int]]], list[tuple[int, int]]]
+_MYSQL_CLI = _Cli(glued="-p")
+_LOGIN_CLI = _Cli(flags=_flags("-p", "--password"), after=("login",))
+_PASSWORD_P = _Cli(flags=_flags("-p", "--password"))
+_PASSWORD_CAPITAL_P = _Cli(flags=_flags("-P"))
+_KEYTOOL = _Cli(flags=_flags("-storepass", "-keypass", "-srcstorepass", "-deststorepass", "-srckeypass",
+                             "-destkeypass", "-new"))  # fmt: skip
+_LDAP = _Cli(flags=_flags("-w"))
+_SMB = _Cli(flags=_flags("-U", "--user"), split="%")
+_SETTING_TAKES = _flags("--file", "-f", "--location", "--profile", "--region", "--registry", "--scope", "--type")
+_CLIS: dict[str, _CliSpec] = {
+    **dict.fromkeys(("mysql", "mysqldump", "mysqladmin", "mysqlimport", "mysqlshow", "mysqlcheck", "mysqlsh",
+                     "mariadb", "mariadb-dump", "mariadb-admin"), _MYSQL_CLI),
+    **dict.fromkeys(("7z", "7za", "7zr"), _MYSQL_CLI),
+    "sshpass": _Cli(flags=_flags("-p")),
+    **dict.fromkeys(("redis-cli", "valkey-cli", "keydb-cli"), _Cli(flags=_flags("-a", "--pass", "--password"))),
+    "keytool": _KEYTOOL,
+    "jarsigner": _KEYTOOL,
+    "ssh-keygen": _Cli(flags=_flags("-N", "-P")),
+    "zip": _Cli(flags=_flags("-P", "--password")),
+    "unzip": _PASSWORD_CAPITAL_P,
+    "openssl": _Cli(flags=_flags("-k", "-pass", "-passin", "-passout")),
+    **dict.fromkeys(("docker", "podman", "nerdctl", "buildah", "finch", "skopeo", "oras", "regctl", "crane", "helm",
+                     "az"), _LOGIN_CLI),
+    **dict.fromkeys(("mongo", "mongosh", "mongodump", "mongorestore", "mongoexport", "mongoimport", "mongostat",
+                     "mongotop", "mongofiles", "cqlsh", "twine", "smbmap"), _PASSWORD_P),
+    "sqlcmd": _PASSWORD_CAPITAL_P,
+    **dict.fromkeys(("ldapsearch", "ldapadd", "ldapmodify", "ldapdelete", "ldapwhoami", "ldapcompare",
+                     "ldapmodrdn", "ldapexop"), _LDAP),
+    "ldappasswd": _Cli(flags=_flags("-w", "-s", "-a")),
+    **dict.fromkeys(("smbclient", "smbcacls", "smbget"), _SMB),
+    "nmcli": _Cli(flags=_flags("password", "wifi-sec.psk", "802-11-wireless-security.psk")),
+    "gh": _Cli(flags=_flags("-b", "--body"), after=("secret",)),
+    "vercel": _Cli(flags=_flags("-t", "--token")),
+    "mc": _Cli(after=("alias", "set"), nth=4, takes=_flags("--api", "--path")),
+    "cargo": _Cli(after=("login",), nth=1, takes=_flags("--registry", "--config", "-Z")),
+    "vault": _Cli(after=("login",), nth=1),
+    "aws": _Cli(after=("configure", "set"), setting=True, takes=_SETTING_TAKES),
+    **dict.fromkeys(("npm", "pnpm", "yarn"), _Cli(after=("config", "set"), setting=True, takes=_SETTING_TAKES)),
+    **dict.fromkeys(("poetry", "composer", "git"), _Cli(after=("config",), setting=True, takes=_SETTING_TAKES)),
+    "doppler": _Cli(after=("configure", "set"), setting=True, takes=_SETTING_TAKES),
+    "sqlplus": _slash_login_secrets,
+    "htpasswd": _htpasswd_secrets,
+}  # fmt: skip
+_CLI_NAMES = "|".join(re.escape(c) for c in sorted(_CLIS, key=len, reverse=True))
+# The arguments (64 at most, so overlapping commands cost a bounded rescan) end at another command of the table
+# too: `docker exec db mysql -pPW`, or commands run together.
+_CLI_RE = re.compile(
+    rf"(?<![\w.\-~])(?P<cmd>{_CLI_NAMES})(?![\w.\-])"
+    rf"(?P<rest>(?:[ \t]++(?!(?:[\w.\-~]*+/)*+(?:{_CLI_NAMES})(?![\w.\-])){_ARG}){{0,64}}+)"
+)
+# Substrings that find the commands (`ldap` finds every ldap tool); those with a leading space are subcommands,
+# so the command is one of the words before them on the line.
+_CLI_TRIGGERS = (
+    "sql", "ssh", "mariadb", "mongo", "ldap", "smb", "-cli", "zip", "7z", "openssl", "keytool", "jarsigner", "cqlsh",
+    "twine", "nmcli", "vercel", "htpasswd", " login", " secret", " alias", " config",
+)  # fmt: skip
+_RUN_START_RE = re.compile(r"(?<![\w.\-~])[\w.\-~]")
+_CMD_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-~")
+_SUB_REACH = 80  # how far before its subcommand (` login`) a command can start
+
+
+def _cli_starts(text: str) -> Iterator[int]:
+    """Where _CLI_RE can match: the start of the word run holding a command's name (a name is at most 16
+    characters), or for a subcommand (` login`, ` config`) each word start up to _SUB_REACH before it on its line,
+    as _cli_secrets requires. Commands are lower case, so a plain search finds them; the rule has no separate
+    trigger check, as this search is one."""
+    found: set[int] = set()
+    for trigger in _CLI_TRIGGERS:
+        sub = trigger.startswith(" ")
+        at = text.find(trigger)
+        while at >= 0:
+            if sub:
+                line = max(text.rfind("\n", max(0, at - _SUB_REACH), at) + 1, at - _SUB_REACH, 0)
+                found.update(m.start() for m in _RUN_START_RE.finditer(text, line, at))
+            else:
+                start, floor = at, max(0, at - 16)
+                while start > floor and text[start - 1] in _CMD_CHARS:
+                    start -= 1
+                found.add(start)
+            at = text.find(trigger, at + 1)
+    return iter(sorted(found))
+
+
+def _cli_match_secrets(m: re.Match[str]) -> list[tuple[int, int]]:
+    spec = _CLIS[m.group("cmd")]
+    text = m.string
+    args = [a.span() for a in _ARG_RE.finditer(text, m.start("rest"), m.end("rest"))]
+    return _cli_secrets(spec, text, m.start(), args) if isinstance(spec, _Cli) else spec(text, args)
+
+
+def _keep_cli(m: re.Match[str]) -> str:
+    return m.group(0)  # unused: _CliRule.apply replaces what _cli_match_secrets finds
+
+
+class _CliRule(_Rule):
+    """The command rule: every command found is judged, also one inside another's arguments
+    (`mc ... KEY=sqlplus u/pw`, or commands run together), so a second pass finds nothing the first did not;
+    the secrets of all of them are then replaced at once."""
+
+    __slots__ = ()
+
+    def apply(self, text: str) -> str:
+        spans: list[tuple[int, int]] = []
+        if self.starts is not None:
+            for start in self.starts(text):
+                if (m := self.pattern.match(text, start)) is not None:
+                    spans += _cli_match_secrets(m)
+        else:
+            pos = 0
+            while (m := self.pattern.search(text, pos)) is not None:
+                spans += _cli_match_secrets(m)
+                pos = m.start() + 1
+        if not spans:
+            return text
+        out: list[str] = []
+        last = 0
+        for start, end in sorted(spans):
+            if start >= last:
+                out += [text[last:start], _marker("cli_password")]
+                last = end
+        out.append(text[last:])
+        return "".join(out)
+
+
+_CLI_RULE = _CliRule(_CLI_RE, ("",), _keep_cli, starts=_cli_starts)
+
+# `echo PW | docker login --password-stdin`, `echo PW | sudo -S ...`, `echo user:PW | chpasswd`
+_STDIN_SECRET_RE = re.compile(
+    rf"(?<![\w-])(?:echo|printf)(?:[ \t]++-[neE]++)*+[ \t]++(?P<value>{_ARG})[ \t]*+\|(?=(?P<rest>[^\r\n|;&]{{0,300}}))"
+)
+_STDIN_READER_RE = re.compile(
+    r"--password-stdin|--passphrase-fd[ \t=]+0\b|\bsudo\b[^|]*?[ \t]-[A-Za-z]*S\b|\bchpasswd\b|\bpasswd\b[^|]*--stdin"
+)
+
+
+def _replace_stdin_secret(m: re.Match[str]) -> str:
+    rest = m.group("rest")
+    if _STDIN_READER_RE.search(rest) is None:
+        return m.group(0)
+    split = ":" if "chpasswd" in rest else ""
+    span = _cli_secret(m.string, *m.span("value"), split=split)
+    if span is None:
+        return m.group(0)
+    whole, base = m.group(0), m.start()
+    return whole[: span[0] - base] + _marker("cli_password") + whole[span[1] - base :]
+
+
+# The output of a command that prints a secret, on the line after it (warnings before it skipped):
+# `heroku auth:token`, `pass show NAME`, `kubectl get secret ... | base64 -d`.
+_EOL = r"(?:\r?\n|\\++[nr])"
+_REST_OF_LINE = r"[^\r\n\\]*+(?:\\++(?![nr])[^\r\n\\]*+)*+"
+_PRINTED_SECRET_RE = re.compile(
+    r"(?<![\w-])(?:(?P<token>heroku[ \t]++auth:token|gh[ \t]++auth[ \t]++token|(?:doctl|fly|flyctl)[ \t]++auth"
+    r"[ \t]++token|aws[ \t]++ecr[ \t]++get-login-password|az[ \t]++account[ \t]++get-access-token)"
+    r"|(?P<password>(?:go)?pass[ \t]++show|op[ \t]++read|(?:bw|rbw)[ \t]++get[ \t]++password"
+    r"|security[ \t]++find-(?:generic|internet)-password(?=[^\r\n]*?[ \t]-w\b)"
+    r"|get[ \t]++secrets?(?=[^\r\n|]*+\|[ \t]*+base64[ \t]++(?:-d|--decode|-D)\b)))"
+    rf"{_REST_OF_LINE}(?:{_EOL}[ \t]*+(?:›|»|!|[Ww]arning|WARNING){_REST_OF_LINE}){{0,3}}+"
+    # a token is token characters (it ends at `:`); a password any word
+    rf"{_EOL}[ \t]*+(?P<value>(?(token)[A-Za-z0-9._~+/=\-]++|[^\s\"'`\\\[:]++))(?P<label>:(?:\s|\Z))?"
+)
+
+
+def _replace_printed_secret(m: re.Match[str]) -> str:
+    value = m.group("value")
+    if m.group("label") or value.lower() in _CODE_WORDS:
+        return m.group(0)  # `Error: ...`
+    if m.group("token") is not None:
+        if len(value) < 16 or not any(c.isdigit() for c in value):
+            return m.group(0)
+    elif len(value) < 4:
+        return m.group(0)
+    return _value_replacer("command_output")(m)
 
 
 # `.netrc`: `machine HOST login USER password SECRET`, on one line or one keyword per line.
@@ -623,7 +1027,358 @@ _TOKEN_SPECS: tuple[tuple[str, str, tuple[str, ...], Callable[[str], bool] | Non
     ("aws_key", r"(?<![A-Z0-9])(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}(?![A-Z0-9])",
      ("akia", "asia", "abia", "acca", "a3t"), None),
     ("jwt", r"(?<![A-Za-z0-9_\-])eyJ[A-Za-z0-9_\-]{5,}+\.[A-Za-z0-9_\-]{5,}+\.[A-Za-z0-9_\-]*+", ("eyj",), None),
+    # Issue 15: more formats with a fixed shape. The literal comes first where it can, so the scan is a fast
+    # search for it; the look-behind then follows it.
+    ("age_key", r"AGE-SECRET-KEY-1[QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L]{58}", ("age-secret-key-1",), None),
+    ("telegram_token", r"(?<![0-9])[0-9]{8,10}:AA[0-9A-Za-z_\-]{33}(?![0-9A-Za-z_\-])", (":aa",), None),
+    ("nuget_key", r"oy2(?<![0-9A-Za-z]oy2)[a-z0-9]{43}(?![0-9A-Za-z])", ("oy2",), None),
+    ("rubygems_key", r"rubygems_[0-9a-f]{48}(?![0-9a-f])", ("rubygems_",), None),
+    ("crates_token", r"cio(?<![0-9A-Za-z]cio)[A-Za-z0-9]{32}(?![0-9A-Za-z])", ("cio",), _mixed_case_digit),
+    ("azure_secret", r"(?<![A-Za-z0-9_~.\-])[A-Za-z0-9_~.]{3}[0-9]Q~[A-Za-z0-9_~.\-]{31,34}(?![A-Za-z0-9_~.\-])",
+     ("q~",), None),
+    ("heroku_token", r"HRKU-(?<![A-Za-z0-9_\-]HRKU-)[A-Za-z0-9_\-]{60,}+", ("hrku-",), None),
 )  # fmt: skip
+
+# ---------------------------------------------------------------------------------------------
+# Rules whose pattern cannot start with a literal find their starts with plain searches
+
+
+def _found_starts(pattern: re.Pattern[str], words: tuple[str, ...], back: int = 0, lower: bool = False
+                  ) -> Callable[[str], Iterator[int]]:  # fmt: skip
+    """Starts for a pattern that begins `back` characters before one of `words`, found by a plain search (in the
+    lower-cased text if `lower`): much cheaper than the pattern's own scan when it cannot start with a literal."""
+
+    def starts(text: str) -> Iterator[int]:
+        hay = _findable_lower(text) if lower else text
+        if hay is None:
+            return (m.start() for m in pattern.finditer(text))
+        found: set[int] = set()
+        for word in words:
+            at = hay.find(word)
+            while at >= 0:
+                if at >= back:
+                    found.add(at - back)
+                at = hay.find(word, at + 1)
+        return iter(sorted(found))
+
+    return starts
+
+
+# ---------------------------------------------------------------------------------------------
+# Secrets stated in prose: `the staging db password is hunter2X`, `Private key: 0x...`, `use X as the password`,
+# `creds are deploy / X`, `Пароль: X`. The value must look like a password, so prose about passwords stays.
+
+def _json_escapable(word: str) -> str:
+    """A pattern for `word` that also matches it as JSON encoders write non-ASCII text (`\\u043f`), at any depth."""
+    out = []
+    for c in word:
+        if c.isascii():
+            out.append(re.escape(c))
+        else:
+            codes = sorted({f"{ord(x):04x}" for x in (c, c.upper(), c.lower()) if len(x) == 1})
+            out.append(f"(?:{re.escape(c)}|\\\\+u(?:{'|'.join(codes)}))")
+    return "".join(out)
+
+
+_PROSE_VALUE = r"`[^`\r\n]{1,200}+`|\"[^\"\r\n]{1,200}+\"|'[^'\r\n]{1,200}+'|[^\s\"'`]{1,200}+"
+_PROSE_RE = re.compile(
+    r"(?:(?<![\w\]-])|(?<=\\[nrt]))(?i:(?P<label>pass(?:word|wd|phrase|code)|pass[ \t]phrase|secret|token"
+    r"|(?:api|access|auth|bearer|refresh|bot|deploy|private|secret|signing|encryption|master|client|app|license)"
+    r"[ \t_-]?(?:key|token|secret)"
+    r"|passwort|contrasena|mot[ \t]de[ \t]passe|"
+    + "|".join(_json_escapable(w) for w in ("пароль", "contraseña", "hasło", "密码", "パスワード", "비밀번호"))
+    + r")"
+    r"(?![\w-])\*{0,2}"
+    # up to four words between the label and its verb: `password for the staging db is ...`
+    r"(?P<mid>(?:[ \t]++(?!(?:is|was|are|to|es|ist|est|é)[ \t])[^\s:=`'\"<>()\[\]{}|*]{1,30}+){0,4}?)"
+    r"(?:\*{0,2}[ \t]*+(?P<sym>[:=])\*{0,2}[ \t]*+"
+    r"|[ \t]++(?P<verb>is|was|are|to|es|ist|est|é|это)(?:[ \t]++(?:now|still|just|also|set[ \t]++to))?[ \t]++"
+    # no verb (`password Jump-H0st-pw`): only a value with letters and digits, 8 characters or more
+    r"|[ \t]++(?![\\$%{<\[(])(?=[^\s\"'`]{8})(?=[^\s\"'`]*?[0-9])(?=[^\s\"'`]*?[A-Za-z])))"
+    rf"(?P<value>{_PROSE_VALUE})"
+)
+# Words between the label and the verb that make the sentence about something else: `password hash is bcrypt2`.
+_PROSE_DENY_MID = _DENY_AFTER | frozenset(
+    {
+        "hash", "hashes", "hashing", "hashed", "reset", "requirements", "rules", "change", "changes", "changed",
+        "storage", "stored", "check", "checks", "verification", "encoding", "encoded", "algorithm", "complexity",
+        "sent", "generation", "generator", "rotation", "refresh", "exchange", "expired", "invalid", "missing",
+        "mint", "address", "contract", "account", "program", "public", "pubkey",
+    }
+)  # fmt: skip
+# Single words of technical prose that have letters and digits but are no password.
+_PROSE_DENY_VALUES = frozenset(
+    {
+        "sha1", "sha256", "sha384", "sha512", "md5", "bcrypt", "argon2", "argon2id", "pbkdf2", "scrypt", "utf8",
+        "utf-8", "base64", "base32", "hs256", "hs512", "rs256", "es256", "aes128", "aes256", "aes-256", "x509",
+        "http2", "oauth2", "oauth1", "ipv4", "ipv6", "hmac-sha256", "ed25519", "rsa2048", "rsa4096", "p256",
+    }
+)  # fmt: skip
+_VERSION_RE = re.compile(r"v?[0-9]+(?:\.[0-9]+)+[\w.+-]*")
+_ESCAPED_BREAK_RE = re.compile(r"\\+[nrt]")
+_ENGLISH_LABELS = frozenset({"password", "passwd", "passphrase", "passcode", "secret", "token"})
+
+
+def _prose_secret(value: str, quoted: bool) -> bool:
+    """A stated value that looks like a password or a key: not a word, a number, a reference or code."""
+    if not 4 <= len(value) <= 200 or (len(value) < 6 and not quoted):
+        return False
+    low = value.lower()
+    if _has_marker(value) or value[0] in "$%{<[(#\\" or _PLACEHOLDER_RE.fullmatch(value):
+        return False
+    if low in _CODE_WORDS or low in _STOPWORDS or low in _PROSE_DENY_VALUES or "://" in value:
+        return False
+    if value.startswith(("/", "~", "./", "../")) or _NUMBER_RE.fullmatch(value) or _VERSION_RE.fullmatch(value):
+        return False
+    if _DOTTED_RE.fullmatch(value) or _CALL_RE.match(value) or _ENV_NAME_RE.fullmatch(value):
+        return False  # `session.token`, `getToken()`, `DB_PASSWORD`
+    if " " in value:
+        return quoted and _diceware(value)
+    if _IDENT_RE.fullmatch(value) and ("_" in value or not any(c.isdigit() for c in value)):
+        return False  # an identifier: `api_key_2`, `accessToken`
+    digits = any(c.isdigit() for c in value)
+    letters = any(c.isalpha() for c in value)
+    symbols = any(not c.isalnum() and c not in "_-.'" for c in value)  # `Per-message` is a word
+    return (digits and letters) or (letters and (symbols or _CAMEL_RE.search(value) is not None))
+
+
+def _prose_value_span(m: re.Match[str]) -> tuple[int, int] | None:
+    start, end = m.span("value")
+    value = m.group("value")
+    quoted = value[0] in "`'\""
+    if quoted:
+        start, end = start + 1, end - 1
+    else:
+        if (cut := _ESCAPED_BREAK_RE.search(value)) is not None:
+            value = value[: cut.start()]  # `String,\n+` in JSON: the word ends at the escaped newline
+        end = start + len(value.rstrip(".,;:!?)]}"))
+    return (start, end) if _prose_secret(m.string[start:end], quoted) else None
+
+
+def _replace_prose(m: re.Match[str]) -> str:
+    label = m.group("label").lower()
+    mid = m.group("mid").lower().split()
+    bold = "*" in m.string[m.end("label") : m.start("value")]  # `**Password:** ...` is no assignment
+    if m.group("sym") and not mid and not bold and (label in _ENGLISH_LABELS or not any(c in label for c in " \t")):
+        return m.group(0)  # `password: ...`, `api_token = ...` are assignments, the assignment rule's to judge
+    if not _PROSE_DENY_MID.isdisjoint(mid):
+        return m.group(0)
+    span = _prose_value_span(m)
+    if span is None:
+        return m.group(0)
+    whole, base = m.group(0), m.start()
+    return whole[: span[0] - base] + _marker("prose_secret") + whole[span[1] - base :]
+
+
+_PROSE_WORDS = ("pass", "secret", "token", "key", "contrase", "пароль", "hasło", "密码", "パスワード", "비밀번호")
+_PROSE_ASCII_WORDS = tuple(w for w in _PROSE_WORDS if w.isascii())
+# The non-ASCII labels JSON-escaped (`\u043f\u0430\u0440...`): found by the pattern's own scan.
+_PROSE_ESCAPED = ("u043f", "u041f", "u0142o", "u5bc6", "u30d1", "ube44")
+# The first words of two-word labels (`api key`, `client secret`, `mot de passe`).
+_PROSE_PREFIXES = frozenset({"api", "access", "auth", "bearer", "refresh", "bot", "deploy", "private", "secret",
+                             "signing", "encryption", "master", "client", "app", "license", "de"})  # fmt: skip
+_PREVIOUS_WORD_RE = re.compile(r"([a-z]{2,16})[ \t_-]?\Z")
+
+
+def _prose_starts(text: str) -> Iterator[int]:
+    """Where _PROSE_RE can match: each label word, and the word before it when that starts a two-word label."""
+    low = _findable_lower(text)
+    if low is None or ("\\u" in low and any(e in low for e in _PROSE_ESCAPED)):
+        yield from (m.start() for m in _PROSE_RE.finditer(text))
+        return
+    found: set[int] = set()
+    for word in _PROSE_WORDS if not low.isascii() else _PROSE_ASCII_WORDS:
+        at = low.find(word)
+        while at >= 0:
+            if word != "key":  # `key` alone is no label
+                found.add(at)
+            before = _PREVIOUS_WORD_RE.search(low, max(0, at - 17), at)
+            if before is not None:
+                start = before.start(1)
+                if low[start] in "nrt" and low.endswith("\\", 0, start):
+                    start += 1  # `\nPrivate key` in JSON: the word after an escaped newline
+                prefix = low[start : before.end(1)]
+                if prefix in _PROSE_PREFIXES:
+                    found.add(start)
+                if prefix == "de" and low.endswith("mot", 0, start - 1):
+                    found.add(start - 4)  # `mot de passe`
+            at = low.find(word, at + 1)
+    yield from sorted(found)
+
+
+# `use X as the password`
+_USE_AS_RE = re.compile(
+    rf"(?i)(?<![\w\]-])use[ \t]++(?P<value>{_PROSE_VALUE})[ \t]++as[ \t]++(?:(?:the|a|your|my|our)[ \t]++)?"
+    r"(?:[\w-]{1,30}+[ \t]++)?(?:pass(?:word|wd|phrase)|token|api[ \t]?key|secret)\b"
+)
+# `creds for staging are deploy / X`, `login: admin:X`. (A `]` before a label counts as a word: a marker put
+# where a word was must not let a second pass find what the first did not.)
+_CREDS_PAIR_RE = re.compile(
+    r"(?i)(?<![\w\]-])(?:creds|credentials|login)(?:[ \t]++[^\s:=/]{1,30}+){0,3}?(?:[ \t]*+[:=]|[ \t]++(?:are|is))"
+    r"[ \t]++(?P<user>[\w.@+\-\\]{1,64}+)[ \t]*+[/:][ \t]*+(?P<value>[^\s\"'`,;]{1,200}+)"
+)
+
+
+def _replace_prose_value(m: re.Match[str]) -> str:
+    span = _prose_value_span(m)
+    if span is None:
+        return m.group(0)
+    whole, base = m.group(0), m.start()
+    return whole[: span[0] - base] + _marker("prose_secret") + whole[span[1] - base :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Secrets known by what stands next to them
+
+# Twilio: an Account SID (`AC` + 32 hex) then its auth token, or an API key SID (`SK`) then its secret, as two
+# arguments or `sid:token`.
+_TWILIO_PAIR_RE = re.compile(
+    r"(?P<sid>AC[0-9a-f]{32}|SK[0-9a-f]{32})(?P<sep>\\*[\"']?[ \t]*+[,:][ \t]*+\\*[\"']?|[ \t]++)"
+    r"(?P<value>[0-9A-Za-z]{32})(?![0-9A-Za-z])"
+)
+
+
+def _replace_twilio_pair(m: re.Match[str]) -> str:
+    start = m.start()
+    if start and m.string[start - 1].isalnum():
+        return m.group(0)
+    value = m.group("value")
+    if m.group("sid").startswith("AC") and _HEX_RE.fullmatch(value) is None:
+        return m.group(0)
+    return _value_replacer("twilio_token")(m)
+
+
+# Mailchimp: 32 hex and the data centre, `-us21`; found from the `-us`.
+_MAILCHIMP_RE = re.compile(r"(?<![0-9A-Za-z])[0-9a-f]{32}-us[0-9]{1,2}(?![0-9A-Za-z])")
+
+# A `.pgpass` line: `host:port:database:user:password`, found from its `:port:` (the host is checked by hand).
+_PGPASS_RE = re.compile(
+    r":(?:[0-9]{1,5}|\*):(?P<db>[\w.\-*]{1,63}+):(?P<user>[\w.\-*@]{1,63}+):(?P<value>[^\s:\"'\\]{1,128}+)"
+    r"(?=[\s\"'\\]|\Z)"
+)
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-*")
+
+
+def _replace_pgpass(m: re.Match[str]) -> str:
+    text, start = m.string, m.start()
+    host = start
+    while host > max(0, start - 253) and text[host - 1] in _HOST_CHARS:
+        host -= 1
+    if host == start or (host and text[host - 1] not in " \t\r\n\"'`\\"):
+        return m.group(0)  # no host, or part of a longer run: `a/b.py:12:...`, `[::1]:5432:...`
+    if any(m.group(g).isdigit() for g in ("db", "user", "value")) or _has_marker(m.group("value")):
+        return m.group(0)  # `12:34:56:78:90`: a time or a list of numbers
+    return _value_replacer("conn_string")(m)
+
+
+# `<password>PW</password>` (Maven settings.xml, NuGet.Config, Tomcat), by the element's name.
+_XML_ELEMENT_RE = re.compile(
+    r"<(?=[\w.:\-]{0,64}?(?i:pass|pwd|secret|token|key|auth|cred|psk))(?P<name>[\w.:\-]{1,64}+)>"
+    r"(?P<value>[^<>\r\n]{1,512}+)</(?P=name)>"
+)
+
+
+def _replace_xml_element(m: re.Match[str]) -> str:
+    info = _secret_name(m.group("name").rsplit(":", 1)[-1])
+    value = m.group("value").strip()
+    if info is None or len(value) < 4 or value[0] in "$%{" or _PLACEHOLDER_RE.fullmatch(value):
+        return m.group(0)
+    if (info.weak or info.loose) and not _token_like(value):
+        return m.group(0)
+    return _value_replacer(info.kind)(m)
+
+
+# Terraform: `variable "db_password" { ... default = "PW" }`.
+_TF_DEFAULT_RE = re.compile(
+    r"(?<![\w-])variable[ \t]++\\*\"(?P<name>[\w-]{1,128}+)\\*\"[ \t]*+\{(?P<body>[^{}]{0,600}?)\bdefault"
+    r"[ \t]*+=[ \t]*+\\*\"(?P<value>[^\"\\\r\n]++)\\*\""
+)
+
+
+def _replace_tf_default(m: re.Match[str]) -> str:
+    info = _secret_name(m.group("name"))
+    value = m.group("value")
+    if info is None or len(value) < 4 or _PLACEHOLDER_RE.fullmatch(value):
+        return m.group(0)
+    return _value_replacer(info.kind)(m)
+
+
+# A Solana keypair file (`~/.config/solana/id.json`): a JSON array of its 64 bytes.
+_BYTE_ARRAY_RE = re.compile(r"\[\s*+(?:[0-9]{1,3}\s*+,\s*+){63}[0-9]{1,3}\s*+\](?![\w\[])")
+
+
+def _replace_byte_array(m: re.Match[str]) -> str:
+    text, start = m.string, m.start()
+    before = text[start - 1] if start else " "
+    if (before.isalnum() or before in "_]") and not (before in "nrt" and text.endswith("\\", 0, start - 1)):
+        return m.group(0)  # an index or a slice (`a[1, 2, ...]`); `\n[` is a line break in JSON
+    if any(int(n) > 255 for n in re.findall(r"[0-9]+", m.group(0))):
+        return m.group(0)
+    return _marker("crypto_private_key")
+
+
+# A wallet's recovery words: 12 to 24 lower-case words of 3 to 8 letters, single-spaced as wallets write them,
+# with a label up to 200 characters before them (`seed phrase: w1 ... w12`, `MNEMONIC="w1 ... w24"`, `Save this
+# seed phrase ... to recover your new keypair:\nw1 ...`). Found as runs of lower-case words, each from its first
+# word only (the look-behind), so a long run is scanned once.
+_WORD_RUN_RE = re.compile(r"(?<![a-z][ \t])(?<![a-zA-Z])[a-z]++(?:[ \t][a-z]++){11,}+(?![a-zA-Z])")
+_PHRASE_RUN_RE = re.compile(r"(?<![a-z])[a-z]{3,8}(?:[ \t][a-z]{3,8}){11,}+(?![a-z])")
+# The label starts a word or a camel-case part (`walletMnemonic`); not `passphrase`.
+_MNEMONIC_LABEL_RE = re.compile(r"(?:(?<![a-zA-Z])|(?<=[a-z])(?=[A-Z]))(?i:mnemonic|phrase|seed)[^\[]{0,200}\Z")
+# English words no wallet's word list has: two of them make a run of words a sentence.
+_FUNCTION_WORDS = frozenset(
+    {
+        "the", "and", "that", "this", "with", "from", "are", "was", "were", "has", "had", "but", "not", "you",
+        "your", "they", "them", "their", "these", "those", "than", "which", "would", "could", "should", "does",
+        "been", "its", "his", "her", "him", "she", "our", "for",
+    }
+)  # fmt: skip
+
+
+def _sentence(words: list[str]) -> bool:
+    return sum(w in _FUNCTION_WORDS for w in words) >= 2
+
+
+def _replace_mnemonic(m: re.Match[str]) -> str:
+    text = m.string
+    out: list[str] = []
+    last = m.start()
+    for run in _PHRASE_RUN_RE.finditer(text, m.start(), m.end()):
+        words = list(_PHRASE_WORD_RE.finditer(text, run.start(), run.end()))
+        # Words of the sentence may lead (`phrase was w1 ... w12`): the last 12 to 24 words are the phrase.
+        keep = next((n for n in (24, 21, 18, 15, 12) if n <= len(words) <= n + 2), 0)
+        if not keep:
+            continue
+        begin = words[len(words) - keep].start()
+        if _sentence([w.group() for w in words[len(words) - keep :]]):
+            continue
+        # The label, with no `[` between it and the words: a marker put there must not bring a label into reach.
+        if _MNEMONIC_LABEL_RE.search(text, max(0, begin - 208), begin) is None:
+            continue
+        out += [text[last:begin], _marker("mnemonic")]
+        last = run.end()
+    if not out:
+        return m.group(0)
+    out.append(text[last : m.end()])
+    return "".join(out)
+
+
+# A secret of several words or numbers cut short by truncation (loomd cuts oversized output between words, before
+# redaction, and marks the cut with `…`): the part left still counts, when the label is there.
+_CUT_PHRASE_RE = re.compile(r"(?<![a-z][ \t])(?<![a-zA-Z])[a-z]++(?:[ \t][a-z]++)*+[ \t]?(?=…)")
+_CUT_TAIL_RE = re.compile(r"(?<![a-z])[a-z]{3,8}(?:[ \t][a-z]{3,8}){2,23}+[ \t]?\Z")
+_CUT_BYTE_ARRAY_RE = re.compile(r"\[\s*+(?:[0-9]{1,3}\s*+,\s*+){1,63}+[0-9]{0,3}(?=…)")
+
+
+def _replace_cut_phrase(m: re.Match[str]) -> str:
+    # the last 3 to 24 words of 3 to 8 letters (at most 216 characters)
+    tail = _CUT_TAIL_RE.search(m.string, max(m.start(), m.end() - 220), m.end())
+    if tail is None or _sentence(tail.group().split()):
+        return m.group(0)
+    if _MNEMONIC_LABEL_RE.search(m.string, max(0, tail.start() - 208), tail.start()) is None:
+        return m.group(0)
+    return m.string[m.start() : tail.start()] + _marker("mnemonic")
+
 
 # ---------------------------------------------------------------------------------------------
 # Generic high-entropy tokens: a last resort for keys with no known prefix
@@ -649,6 +1404,8 @@ def _looks_random(token: str) -> bool:
     core = token.rstrip("=")
     if not 32 <= len(core) <= 256 or core.startswith(_NOT_SECRET_PREFIXES) or _HEX_RE.fullmatch(core):
         return False
+    if core.startswith("0x") and _HEX_RE.fullmatch(core, 2):
+        return False  # an Ethereum address in its mixed-case checksum form
     if not _mixed_case_digit(core):
         return False
     # Most of it must be random-looking pieces, not words, hashes and numbers joined by `/`, `_`, `-`
@@ -660,10 +1417,63 @@ def _looks_random(token: str) -> bool:
     return entropy >= 4.0
 
 
+_BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+_BASE58_INDEX = {c: i for i, c in enumerate(_BASE58)}
+# Base58Check version bytes of private keys: WIF (mainnet, testnet) and BIP32 extended keys (xprv, tprv, yprv,
+# zprv, Yprv, Zprv, uprv, vprv).
+_WIF_VERSIONS = (b"\x80", b"\xef")
+_XPRV_VERSIONS = tuple(bytes.fromhex(v) for v in ("0488ade4", "04358394", "049d7878", "04b2430c", "0295b005",
+                                                  "02aa7a99", "044a4e28", "045f18bc"))  # fmt: skip
+
+
+def _base58check_private_key(token: str) -> bool:
+    """A Bitcoin WIF private key or a BIP32 extended private key: exact, by its checksum."""
+    if not 51 <= len(token) <= 112 or not all(c in _BASE58_INDEX for c in token):
+        return False
+    n = 0
+    for c in token:
+        n = n * 58 + _BASE58_INDEX[c]
+    data = n.to_bytes((n.bit_length() + 7) // 8, "big")
+    payload, check = data[:-4], data[-4:]
+    if hashlib.sha256(hashlib.sha256(payload).digest()).digest()[:4] != check:
+        return False
+    if len(payload) in (33, 34):
+        return payload[:1] in _WIF_VERSIONS
+    return len(payload) == 78 and payload[:4] in _XPRV_VERSIONS
+
+
+# In base64 of a JSON object or a PEM file: a key naming a credential, or a private key.
+_DECODED_SECRET_RE = re.compile(
+    rb'(?i)"[\w.-]{0,40}(?:pass(?:word|wd)?|secret|token|auth|private_?key|api_?key|credentials?)[\w-]{0,20}"[ \t]*:'
+    rb'[ \t]*"|PRIVATE KEY-----'
+)
+
+
+def _base64_document(token: str) -> bool | None:
+    """For base64 of a JSON document or a PEM file: whether it holds a credential (a service-account key, a docker
+    config); None when the token is not that."""
+    if not token.startswith(("eyJ", "ewo", "ew0K", "eyA", "LS0t")):
+        return None
+    head = token[:1024]
+    try:
+        decoded = binascii.a2b_base64(head[: len(head) - len(head) % 4])
+    except binascii.Error:
+        return None
+    if _DECODED_SECRET_RE.search(decoded) is not None:
+        return True
+    # Readable text is a document without a credential, however random its base64 looks; binary is not text.
+    return False if decoded.isascii() and all(c >= 32 or c in b"\t\r\n" for c in decoded) else None
+
+
 def _replace_generic(m: re.Match[str]) -> str:
     token = m.group(0)
+    document = _base64_document(token)
+    if document is not None:
+        return _marker("base64_secret") if document else token
     if not _looks_random(token) or m.string.endswith("h1:", 0, m.start()):
         return token  # `h1:` is a Go module checksum
+    if _base58check_private_key(token):
+        return _marker("crypto_private_key")
     return _marker("generic_high_entropy")
 
 
@@ -682,16 +1492,40 @@ def _build_rules() -> tuple[_Rule, ...]:
         _Rule(_COOKIE_RE, ("cookie",), _value_replacer("cookie")),
         _Rule(_URL_CRED_RE, ("://",), _replace_url_cred),
         _Rule(_CLI_USERPASS_RE, ("-u", "--user"), _replace_cli_userpass),
-        _Rule(_MYSQL_LINE_RE, ("mysql", "mariadb", "sshpass"), _replace_mysql_line),
+        _CLI_RULE,
+        _Rule(_STDIN_SECRET_RE, ("-stdin", "passphrase-fd", "sudo -s", "chpasswd"),
+              _replace_stdin_secret),
+        _Rule(_PRINTED_SECRET_RE, ("auth:token", "auth token", "get-login-password", "get-access-token", "pass show",
+                                   "op read", "get password", "find-generic-password", "find-internet-password",
+                                   "get secret"), _replace_printed_secret),
         _Rule(_CLI_FLAG_RE, ("-",), _replace_cli_flag),
         _Rule(_NETRC_RE, ("password", "passwd"), _replace_netrc),
         _Rule(_AUTH_TUPLE_RE, ("auth",), _value_replacer("env_secret")),
         _Rule(_XML_KEY_VALUE_RE, ("value",), _replace_xml_key_value),
         _Rule(
-            _ASSIGN_RE, ("pass", "pwd", "secret", "token", "key", "auth", "cred", "sig"), _replace_assignment, "name",
+            _ASSIGN_RE, ("pass", "pwd", "secret", "token", "key", "auth", "cred", "sig", "psk"), _replace_assignment,
+            "name",
             _assignment_starts,
         ),
+        _Rule(_PROSE_RE, _PROSE_WORDS + _PROSE_ESCAPED, _replace_prose, starts=_prose_starts),
+        _Rule(_USE_AS_RE, ("as the ", "as your ", "as my ", "as pass", "as token"), _replace_prose_value,
+              starts=_found_starts(_USE_AS_RE, ("use",), lower=True)),
+        _Rule(_CREDS_PAIR_RE, ("cred", "login"), _replace_prose_value,
+              starts=_found_starts(_CREDS_PAIR_RE, ("cred", "login"), lower=True)),
+        _Rule(_TWILIO_PAIR_RE, ("ac", "sk"), _replace_twilio_pair, starts=_found_starts(_TWILIO_PAIR_RE, ("AC", "SK"))),
+        _Rule(_MAILCHIMP_RE, ("-us",), _token_replacer("mailchimp_key"),
+              starts=_found_starts(_MAILCHIMP_RE, ("-us",), back=32)),
+        _Rule(_PGPASS_RE, (":",), _replace_pgpass),
+        _Rule(_XML_ELEMENT_RE, ("</",), _replace_xml_element),
+        _Rule(_TF_DEFAULT_RE, ("variable",), _replace_tf_default,
+              starts=_found_starts(_TF_DEFAULT_RE, ("variable",))),
+        _Rule(_BYTE_ARRAY_RE, ("[",), _replace_byte_array),
+        _Rule(_CUT_BYTE_ARRAY_RE, ("…",), _token_replacer("crypto_private_key")),
         _Rule(_GENERIC_RE, ("",), _replace_generic),
+        # Last: a run of words starts where the text before it stops being one, which a marker put there by any
+        # rule above can change.
+        _Rule(_WORD_RUN_RE, ("mnemonic", "phrase", "seed"), _replace_mnemonic),
+        _Rule(_CUT_PHRASE_RE, ("…",), _replace_cut_phrase),
     ]
     return tuple(rules)
 
@@ -723,18 +1557,56 @@ MAX_CLEAN_SHORT = 8192
 _clean_short: dict[str, None] = {}
 
 
-def _redact(text: str) -> str:
+_last_lower: tuple[str, str] = ("", "")
+
+
+def _lower(text: str) -> str:
+    """`text.lower()`, remembered for the last text: rules that find their starts in lower case run one after
+    another on the same text (a rule that changes nothing returns the same object)."""
+    global _last_lower
+    last = _last_lower  # one read: another thread may replace it, never half of it
+    if last[0] is text:
+        return last[1]
     low = text.lower()
+    _last_lower = (text, low)
+    return low
+
+
+def _findable_lower(text: str) -> str | None:
+    """`text` lower-cased for a plain search that stands in for a case-insensitive pattern, or None when that
+    cannot: a character whose lower case is longer (positions would shift), or one the pattern matches but
+    lower() does not map (`ſ` matches `s`, `ı` matches `i`)."""
+    low = _lower(text)
+    if len(low) != len(text) or (not low.isascii() and ("ſ" in low or "ı" in low)):
+        return None
+    return low
+
+
+def _redact(text: str) -> str:
+    low = _lower(text)
     if "private" in low:
         if "<" in text:
             text = _strip_private(text)
         if "---" in text:
             text = _redact_pem(text)
-        low = text.lower()
+        low = _lower(text)
     for rule in _RULES:
-        if any(t in low for t in rule.triggers):
-            text = rule.apply(text)
+        for trigger in rule.triggers:  # a plain loop: a generator per rule costs more than a short text's checks
+            if trigger in low:
+                text = rule.apply(text)
+                break
+    global _last_lower
+    _last_lower = ("", "")  # it may hold a secret: kept only while this text is redacted
     return text
+
+
+def _whole_value_secret(info: _SecretName, value: str) -> bool:
+    """Whether a string under a secret-named key is the secret itself (`redact_value`)."""
+    if info.phrase:
+        return _mnemonic_like(value)
+    if info.loose:
+        return _token_like(value)
+    return True
 
 
 def redact_value(value: object) -> object:
@@ -746,7 +1618,7 @@ def redact_value(value: object) -> object:
         for key, item in value.items():
             if isinstance(key, str):
                 info = _secret_name(key)
-                if info is not None and isinstance(item, str) and item:
+                if info is not None and isinstance(item, str) and item and _whole_value_secret(info, item):
                     out[redact_text(key)] = _marker("env_secret")
                     continue
                 key = redact_text(key)

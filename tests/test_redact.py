@@ -10,33 +10,63 @@ from conftest import need_test_data
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from secret_corpus import (
+    AGE_KEY,
     ANTHROPIC,
     AWS_ID,
+    CORPUS,
     DB_PASS,
+    DICEWARE,
+    DOCKERCONFIGJSON,
+    ETH_KEY,
     GENERIC,
     GITHUB_FINE,
     GITHUB_PAT,
     GITLAB,
     GOOGLE,
+    HEROKU_TOKEN,
     HF,
     JWT,
+    KNOWN_MISSES,
+    MAILCHIMP,
+    MNEMONIC_12,
     NPM,
     OPENAI_LEGACY,
     OPENAI_PROJ,
+    PGPASS_PASS,
+    PROSE_PASS,
+    REDIS_PASS,
     SECRET_SAMPLES,
     SLACK_BOT,
+    SOLANA_KEYPAIR,
     STRIPE_LIVE,
+    TWILIO_SID,
+    TWILIO_TOKEN,
     URL_PASS,
+    WIF,
 )
 
 from loomd import redact
 from loomd.redact import redact_text, redact_value
 
+ALL_SAMPLES = [sample for samples in CORPUS.values() for sample in samples]
+
 
 def test_corpus_is_large_and_well_formed() -> None:
-    assert len(SECRET_SAMPLES) >= 40
-    for text, secret in SECRET_SAMPLES:
+    assert len(ALL_SAMPLES) >= 80 and len(CORPUS["outside_tester"]) == 15
+    assert len({text for text, _ in ALL_SAMPLES}) == len(ALL_SAMPLES)  # KNOWN_MISSES names samples by their text
+    for text, secret in ALL_SAMPLES:
         assert secret and secret in text
+    assert set(KNOWN_MISSES) <= {text for text, _ in ALL_SAMPLES}
+    assert len(SECRET_SAMPLES) == len(ALL_SAMPLES) - len(KNOWN_MISSES)
+
+
+def test_corpus_detection_rate() -> None:
+    """Issue 15: at least 95% of the whole corpus loses its secret, and what is missed is exactly what
+    KNOWN_MISSES says (so a new miss, or a known one now caught, shows here by name)."""
+    missed = [text for text, secret in ALL_SAMPLES if secret in redact_text(text)]
+    rate = 1 - len(missed) / len(ALL_SAMPLES)
+    assert rate >= 0.95, f"{rate:.1%} of {len(ALL_SAMPLES)} redacted; missed: {missed}"
+    assert set(missed) == set(KNOWN_MISSES), f"missed: {missed}"
 
 
 @pytest.mark.parametrize(("text", "secret"), SECRET_SAMPLES, ids=[t[:40] for t, _ in SECRET_SAMPLES])
@@ -90,6 +120,17 @@ def test_corpus_joined_into_one_text(sep: str) -> None:
         (f"Cookie: sid={URL_PASS}", "cookie"),
         (f"sshpass -p {URL_PASS} ssh deploy@host", "cli_password"),
         (f"value {GENERIC} end", "generic_high_entropy"),
+        (f"redis-cli -a {REDIS_PASS} ping", "cli_password"),
+        (f"the staging db password is {PROSE_PASS}", "prose_secret"),
+        (f'MNEMONIC="{MNEMONIC_12}"', "mnemonic"),
+        (f"importprivkey {WIF}", "crypto_private_key"),
+        (SOLANA_KEYPAIR, "crypto_private_key"),
+        (AGE_KEY, "age_key"),
+        (f"key {MAILCHIMP}", "mailchimp_key"),
+        (f"{TWILIO_SID} {TWILIO_TOKEN}", "twilio_token"),
+        (f"  .dockerconfigjson: {DOCKERCONFIGJSON}", "base64_secret"),
+        (f"$ heroku auth:token\n{HEROKU_TOKEN}", "command_output"),
+        (f"db.internal:5432:app:app:{PGPASS_PASS}", "conn_string"),
     ],
 )
 def test_kind_names_the_secret(text: str, kind: str) -> None:
@@ -188,6 +229,60 @@ NEGATIVES = [
     "N_SAMPLES_PER_TOKEN = HOP_LENGTH * 2",
     'api_key="your-api-key-here",  # placeholder from the docs',
     "Compare hunter2 with the password hash only after rate limiting.",
+    # Issue 15: commands whose flags only look like the password flags of others, or carry no password.
+    "docker run -d -p 8080:80 -p 5432:5432 --name db postgres:16",
+    "mysql -u root -p app_prod < dump.sql",
+    "redis-cli -h cache.internal -p 6379 ping",
+    "ssh-keygen -t ed25519 -N '' -f ~/.ssh/id_ed25519",
+    'ssh-keygen -t rsa -b 4096 -N "$PASSPHRASE" -f deploy_key',
+    "zip -r release.zip dist/ && unzip -l release.zip",
+    "htpasswd -c /etc/nginx/.htpasswd admin",
+    "openssl rand -hex 32",
+    "openssl rsa -in key.pem -passin env:KEY_PASS -out plain.pem",
+    "keytool -list -v -keystore release.jks -storepass:env STORE_PASS",
+    "git config --global user.email dev@example.com",
+    "npm config set registry https://registry.npmjs.org/",
+    "aws configure set region eu-west-1 --profile ci",
+    "kubectl get secret db-creds -o yaml",
+    "gh secret list --repo acme/api",
+    "docker login ghcr.io -u octocat --password-stdin < token.txt",
+    "echo $GHCR_TOKEN | docker login ghcr.io -u octocat --password-stdin",
+    "mc alias set local http://localhost:9000 minioadmin minioadmin",
+    "sqlplus / as sysdba",
+    "vault login -method=oidc",
+    "cargo login",
+    "ldapsearch -x -H ldap://localhost -b dc=example,dc=org",
+    # prose about passwords, tokens and keys, with no secret in it
+    "The password reset flow is broken on staging.",
+    "the token limit is 4096 tokens per request",
+    "The password hash is sha256 of the salt and the input.",
+    "Password must be at least 12 characters.",
+    "Use the API key from the dashboard as the bearer token.",
+    "Use OAuth2 as the token flow for the CLI.",
+    "the secret is stored in Vault under kv/app/prod",
+    "The API key is read from the OPENAI_API_KEY environment variable.",
+    "Your password was changed on 2024-05-01.",
+    "Set the random seed to 42 so the phrase generator is deterministic.",
+    'mnemonic = "mov"',
+    '{"password": "The password used to connect to the database"}',
+    "Passphrase for the key: (none)",
+    # hashes, ids and addresses
+    "Address:     0x5aAeb6053F3E94C9b9A09f33669435E7Ef1BeAed",
+    "tx 0x9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 confirmed in block 19283746",
+    "session 550e8400-e29b-41d4-a716-446655440000 started at 12:34:56",
+    "ID:          2b3c4d5e-6f70-4812-9a3b-4c5d6e7f8091",
+    "12:34:56:78:90:ab",
+    "src/redact.py:120:5: E501 Line too long (121 > 120)",
+    "src/app.py:12:main:run:exit",
+    "Merge commit 3f2a9c1e8b7d6a5f4e3d2c1b0a9f8e7d6c5b4a39 into main; the token refresh fix is 8b7d6a5f4e3d2c1b",
+    "[1, 2, 3, 4, 5, 6, 7, 8]",
+    "weights = np.array([0.1, 0.2, 0.3])",
+    # base64 of ordinary things
+    '{"config": "eyJuYW1lIjoibG9vbWQiLCJ2ZXJzaW9uIjoiMS4wIiwiZGVidWciOmZhbHNlfQ=="}',
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==",
+    "AC_LOCAL_PORT=8080 SK_LOG_LEVEL=debug",
+    "<PasswordField>Enter your password</PasswordField>",
+    'variable "db_password_length" {\n  default = 24\n}',
 ]
 
 
@@ -218,6 +313,61 @@ def refresh(session: Session, *, max_tokens: int = 512) -> Session:
     return Session(token=token, expires_at=session.expires_at + 3600)
 """
     assert redact_text(code) == code
+
+
+# What the rules decide where a secret and an ordinary string can look alike: each line is (text, the part in
+# question, whether it is redacted). The context decides, never the string alone.
+SHA = "3f2a9c1e8b7d6a5f4e3d2c1b0a9f8e7d6c5b4a39"
+TWELVE_WORDS = "quick brown foxes jumped over lazy dogs near river banks today again"
+TRADE_OFFS = [
+    # a bare UUID is an id; printed by `heroku auth:token` it is the token
+    (f"request {HEROKU_TOKEN} took 20 ms", HEROKU_TOKEN, False),
+    (f"$ heroku auth:token\n{HEROKU_TOKEN}\n", HEROKU_TOKEN, True),
+    # a commit SHA survives; the same hex stated as a token is redacted
+    (f"commit {SHA} (HEAD -> main)", SHA, False),
+    (f"my old github token was {SHA} but I revoked it", SHA, True),
+    # 0x + 64 hex is a transaction hash, or a private key when labelled so
+    (f"tx 0x{ETH_KEY} confirmed", ETH_KEY, False),
+    (f"Private key: 0x{ETH_KEY}", ETH_KEY, True),
+    # a few lower-case words under a password name are a diceware passphrase; a sentence is a description
+    (f'{{"password": "{DICEWARE}"}}', DICEWARE, True),
+    ('{"password": "The password used to connect"}', "The password used to connect", False),
+    # 12 lower-case words after a label read as a wallet's words, whatever they say
+    (f"the test phrase: {TWELVE_WORDS}", TWELVE_WORDS, True),
+    (f"the test is: {TWELVE_WORDS}", TWELVE_WORDS, False),
+    # after a known password flag a bare lower-case word reads as prose about the flag; quoted it is a value
+    ("redis-cli -a foobared ping", "foobared", False),
+    ("redis-cli -a 'foobared' ping", "foobared", True),
+    ("mysql -pfoobared app", "foobared", True),  # glued to mysql's -p it can only be the password
+    # a .pgpass line needs a host and a port; a grep hit in a file under a directory is not one
+    (f"db.internal:5432:app:app:{PGPASS_PASS}", PGPASS_PASS, True),
+    ("src/app.py:5432:app:app:value", "value", False),
+]
+
+
+@pytest.mark.parametrize(("text", "part", "redacted"), TRADE_OFFS, ids=[t[:40] for t, _, _ in TRADE_OFFS])
+def test_trade_offs(text: str, part: str, redacted: bool) -> None:
+    assert (part not in redact_text(text)) is redacted
+
+
+def test_redact_value_judges_names_that_need_a_shaped_value() -> None:
+    """`FOO_KEY` and `MNEMONIC` are secrets only when the value has their shape, as values and as assignments."""
+    data = {
+        "MAILCHIMP_KEY": MAILCHIMP,
+        "PUSHER_KEY": "app-name",
+        "SORT_KEY": "created_at",
+        "CACHE_KEY": "user:42:profile",
+        "MNEMONIC": MNEMONIC_12,
+        "mnemonic": "mov",
+        "seed_phrase": "hello world",
+    }
+    out = redact_value(data)
+    assert isinstance(out, dict)
+    assert out["MAILCHIMP_KEY"] == "[REDACTED:env_secret]" and out["MNEMONIC"] == "[REDACTED:env_secret]"
+    for key in ("PUSHER_KEY", "SORT_KEY", "CACHE_KEY", "mnemonic", "seed_phrase"):
+        assert out[key] == data[key]
+    assert MAILCHIMP not in redact_text(f"MAILCHIMP_KEY={MAILCHIMP}")
+    assert redact_text("SORT_KEY=created_at_2024") == "SORT_KEY=created_at_2024"
 
 
 def test_random_tokens_are_caught_by_the_generic_rule() -> None:
@@ -335,6 +485,12 @@ PATHOLOGICAL_SEEDS = [
     '"password": "', "API_KEY", "token_", "eyJ", "eyJa.eyJb.", "sk-", "ghp_", "AKIA", "a://b:", "x://u:p@", "@",
     "mysql -p", "machine h password ", "Authorization: ", "Bearer ", "Cookie: a=", "--token ", "-u a:",
     "-----BEGIN RSA PRIVATE KEY-----\n", "Private-Lines: 1\n", "LS0tLS1CRUdJTi", "hooks.slack.com/",
+    # issue 15
+    "redis-cli -a ", "zip x=zip ", "sqlplus a/", "mc alias set ", " login ", " config ", "htpasswd -b ", "-p'",
+    "echo x | sudo -S ", "heroku auth:token\n", "pass show x\n", "a:5432:b:c:d ", "[1,", "AC" + "0" * 32 + " ", "-us",
+    "0" * 32 + "-us1 ", 'variable "a_password" {', "<password>x", "seed phrase ", "abandon ", "password is ",
+    "password ", "api key ", "use x as the password ", "creds are a / ", "\\u043f", "Пароль ", "\\nPrivate key ",
+    "ewo", "Q~", "oy2", "cio", "abc …", "[1,…", "seed abc…",
 ]  # fmt: skip
 
 
@@ -371,6 +527,17 @@ def test_assignment_fast_path_finds_what_the_full_scan_finds(pieces: list[str]) 
     assert rule.apply(text) == reference.apply(text)
 
 
+def _strings(value: object) -> list[str]:
+    """Every key and string value of a JSON value."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
 def test_assignment_fast_path_on_real_payloads() -> None:
     """Every string of every real hook payload: the same result either way."""
     rule = next(r for r in redact._RULES if r.pattern is redact._ASSIGN_RE)
@@ -378,21 +545,56 @@ def test_assignment_fast_path_on_real_payloads() -> None:
     root = need_test_data("transcripts")
     seen = 0
 
-    def strings(value: object) -> list[str]:
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, dict):
-            return [s for k, v in value.items() for s in (*strings(k), *strings(v))]
-        if isinstance(value, list):
-            return [s for v in value for s in strings(v)]
-        return []
-
     for path in sorted(root.rglob("*.json")):
         data = json.loads(path.read_text())
-        for text in strings(data):
+        for text in _strings(data):
             seen += 1
             assert rule.apply(text) == reference.apply(text), text[:200]
     assert seen > 1000
+
+
+# --- the other rules that find their starts by plain search (issue 15) --------------------------------------------
+
+_STARTS_RULES = [r for r in redact._RULES if r.starts is not None and r.pattern is not redact._ASSIGN_RE]
+_STARTS_PIECES = st.sampled_from([
+    "mysql", "-p", "'pw'", "redis-cli", "-a", "/usr/bin/", "docker", " login", "login", "\tlogin", " config", "set",
+    "aws", "configure", "mc", " alias", "gh", " secret", "sqlplus", "u/pw@db", "htpasswd", "-bc", "ssh-keygen",
+    "zip", "x" * 20, "password", "Passphrase", "PASSWORD", "pa\u017fsword", "pass\u0131", "api", "key", "api_key",
+    "token", "secret", "mot de passe", "mot\tde passe", "contraseña", "пароль", "Пароль", "\\u043f", "is", "was",
+    "to", "for the db", ":", "=", " ", "\t", "\n", "\\n", "hunter2Xyz", "0x" + "ab" * 32, "use", "Use", "as the",
+    "creds", "credentials", "Login", "/", "AC" + "0" * 32, "SK" + "f" * 32, "a" * 32, "-us21", "variable",
+    '"db_password"', "{", "default = ", '"', "'", "[", "]", "[REDACTED:x]", "é", "\u212aey", "İ",
+])
+
+
+@pytest.mark.parametrize("index", range(len(_STARTS_RULES)), ids=lambda i: _STARTS_RULES[i].pattern.pattern[:24])
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces=st.lists(_STARTS_PIECES | st.text(max_size=6), max_size=24))
+def test_other_fast_paths_find_what_the_full_scan_finds(index: int, pieces: list[str]) -> None:
+    rule = _STARTS_RULES[index]
+    reference = dataclasses.replace(rule, starts=None)
+    text = "".join(pieces)
+    assert rule.apply(text) == reference.apply(text)
+
+
+def test_other_fast_paths_on_corpus_and_real_payloads() -> None:
+    root = need_test_data("transcripts")
+    texts = [text for text, _ in ALL_SAMPLES]
+    for path in sorted(root.rglob("*.json")):
+        texts += [t for t in _strings(json.loads(path.read_text())) if len(t) < 50_000]
+    for rule in _STARTS_RULES:
+        reference = dataclasses.replace(rule, starts=None)
+        for text in texts:
+            assert rule.apply(text) == reference.apply(text), (rule.pattern.pattern[:40], text[:200])
+
+
+def test_every_command_is_found() -> None:
+    """_cli_starts finds a command by a trigger inside its name, or by its first subcommand word."""
+    names = [t for t in redact._CLI_TRIGGERS if not t.startswith(" ")]
+    subs = [t[1:] for t in redact._CLI_TRIGGERS if t.startswith(" ")]
+    for command, spec in redact._CLIS.items():
+        after = spec.after if isinstance(spec, redact._Cli) else ()
+        assert any(n in command[:16] for n in names) or (after and any(after[0].startswith(s) for s in subs)), command
 
 
 def test_short_clean_strings_are_remembered_and_secrets_never() -> None:
