@@ -46,6 +46,7 @@ MODE_WEIGHTS: dict[str, dict[str, float]] = {
 # An entity named in more memories than this is read only this far (newest first); its idf stays exact.
 GRAPH_POSTINGS = 1000
 COLLAPSE_POOL = 4  # candidates per slot read for the provenance collapse
+NEAR_DUPLICATE = 0.75  # a hit sharing this share of its terms with a better one takes no slot
 DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passage's score takes the passage's slot
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
 FTS_BUDGET = 10_000
@@ -429,12 +430,18 @@ async def search_hits(
     raw = {s: dict(items) for s, items in scored.items()}
     results: list[Hit] = []
     cited: dict[int, Hit] = {}  # source event -> the hit that holds it
+    kept_words: list[tuple[Hit, frozenset[str]]] = []
     for memory_id, score, parts in candidates:
         if memory_id not in by_id:
             continue
         item = memory_dict(by_id[memory_id])
         item["score"] = round(score, 6)
         hit = Hit(item, {s: SignalHit(rank, raw[s][memory_id], part) for s, (rank, part) in parts.items()})
+        words = frozenset(query_terms(item["text"], limit=None))
+        twin = next((h for h, w in kept_words if _near(words, w)), None)
+        if twin is not None:  # the same text again (a todo list rewritten, a file read twice): one slot
+            twin.memory.setdefault("collapsed", []).append(memory_id)
+            continue
         mine = sources.get(memory_id, ())
         # Passages of one long item are different windows of it: only a memory and its evidence (or the
         # observation it came from) collapse, never two evidence passages.
@@ -443,12 +450,14 @@ async def search_hits(
         if holder is None:
             if len(results) < limit:
                 results.append(hit)
+                kept_words.append((hit, words))
                 cited.update((e, hit) for e in mine if e not in cited or cited[e].memory["kind"] == "evidence")
             continue
         if holder.memory["kind"] == "evidence" and item["kind"] != "evidence" \
                 and score >= DENSE_WINS * holder.memory["score"]:
             # Equally relevant: the dense memory takes the slot, the passage it came from is collapsed into it.
             results[results.index(holder)] = hit
+            kept_words[:] = [(hit, words) if h is holder else (h, w) for h, w in kept_words]
             item["collapsed"] = [holder.memory["id"], *holder.memory.get("collapsed", [])]
             cited.update((e, hit) for e in (*mine, *(e for e, h in cited.items() if h is holder)))
         else:
@@ -465,6 +474,11 @@ async def search_hits(
 
 def _ms(started: float) -> float:
     return round((time.perf_counter() - started) * 1000, 3)
+
+
+def _near(a: frozenset[str], b: frozenset[str]) -> bool:
+    """Two texts that say nearly the same words (Jaccard over their terms)."""
+    return bool(a) and bool(b) and len(a & b) >= NEAR_DUPLICATE * len(a | b)
 
 
 async def _sources(store: Store, ids: Sequence[int]) -> dict[int, tuple[int, ...]]:

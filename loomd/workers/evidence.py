@@ -40,7 +40,14 @@ class Evidence:
 def _value(value: Any) -> str:
     if isinstance(value, str):
         return value
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "content" in v for v in value):
+        # A todo list: one line per item with its state, not a JSON dump repeated at every update.
+        return "\n".join(f"[{v.get('status', '?')}] {v['content']}" for v in value)
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+# Claude Code's Read tool numbers every line ("   117→"): the numbers cost tokens and say nothing searchable.
+_LINE_NUMBERS = re.compile(r"^ *\d+→", re.MULTILINE)
 
 
 def tool_input_text(step: Step) -> str:
@@ -73,7 +80,7 @@ def step_text(step: Step) -> str:
     asked = tool_input_text(step)
     if step.command:  # the header names the command; a long one (a heredoc) still keeps its body here
         asked = step.command if len(step.command) > 70 else ""
-    result = ("(failed) " if step.failed else "") + step.text
+    result = ("(failed) " if step.failed else "") + _LINE_NUMBERS.sub("", step.text)
     return "\n".join(part for part in (asked, result) if part.strip())
 
 
