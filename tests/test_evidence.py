@@ -70,7 +70,8 @@ def _deep_line(path: Path) -> str:
                 longest = max(longest, text, key=len)
     assert len(longest) > 3000
     middle = longest[len(longest) // 2:]
-    return next(ln.strip() for ln in middle.splitlines()[1:] if len(re.findall(r"[a-z]{3,}", ln)) >= 3)
+    lines = [re.sub(r"^ *\d+→", "", ln).strip() for ln in middle.splitlines()[1:]]  # Read's numbering is dropped
+    return next(ln for ln in lines if len(re.findall(r"[a-z]{3,}", ln)) >= 3)
 
 
 async def test_a_line_deep_in_a_tool_result_is_found_as_evidence(client: AsyncClient, daemon: Daemon) -> None:

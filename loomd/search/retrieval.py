@@ -427,6 +427,8 @@ async def search_hits(
     rows = await ctx.store.fetchall("SELECT m.* FROM memories m WHERE m.id IN (SELECT value FROM json_each(?))",
                                     [json.dumps([f[0] for f in candidates])])
     by_id = {row["id"]: row for row in rows}
+    # Out of date (superseded by a later memory) ranks below everything current, its successor included.
+    candidates.sort(key=lambda f: f[0] in by_id and by_id[f[0]]["superseded_by"] is not None)
     raw = {s: dict(items) for s, items in scored.items()}
     results: list[Hit] = []
     cited: dict[int, Hit] = {}  # source event -> the hit that holds it
@@ -438,8 +440,8 @@ async def search_hits(
         item["score"] = round(score, 6)
         hit = Hit(item, {s: SignalHit(rank, raw[s][memory_id], part) for s, (rank, part) in parts.items()})
         words = frozenset(query_terms(item["text"], limit=None))
-        twin = next((h for h, w in kept_words if _near(words, w)), None)
-        if twin is not None:  # the same text again (a todo list rewritten, a file read twice): one slot
+        twin = next((h for h, w in kept_words if _near(words, w)), None) if item["kind"] == "evidence" else None
+        if twin is not None:  # the same passage again (a todo list rewritten, a file read twice): one slot
             twin.memory.setdefault("collapsed", []).append(memory_id)
             continue
         mine = sources.get(memory_id, ())
@@ -450,7 +452,8 @@ async def search_hits(
         if holder is None:
             if len(results) < limit:
                 results.append(hit)
-                kept_words.append((hit, words))
+                if item["kind"] == "evidence":
+                    kept_words.append((hit, words))
                 cited.update((e, hit) for e in mine if e not in cited or cited[e].memory["kind"] == "evidence")
             continue
         if holder.memory["kind"] == "evidence" and item["kind"] != "evidence" \

@@ -11,6 +11,8 @@ import logging
 import time
 from collections import Counter
 
+import aiosqlite
+
 from loomd.errors import ModelError
 from loomd.store.memories import insert_memory
 from loomd.workers.base import (
@@ -18,6 +20,7 @@ from loomd.workers.base import (
     RunRequest,
     WatermarkMoved,
     WorkerContext,
+    add_edge,
     get_int_checkpoint,
     progress,
     set_checkpoint,
@@ -33,6 +36,21 @@ log = logging.getLogger(__name__)
 CHUNK_EVENTS = 100  # per transaction: the write lock is shared with ingest
 CONTEXT_EVENTS = 200
 EVENT_COLUMNS = "id, session_id, kind, ts, agent, project, tool_name, tool_use_id, payload"
+
+
+async def supersede_errors(db: aiosqlite.Connection, session_id: str, failed_events: list[int], fix_id: int) -> int:
+    """The session's error observations about the failure a later step fixed (they cite its events) are out of
+    date: superseded by the fix, kept, and linked (`supersedes`), so the start block drops them and search ranks
+    them below their successor."""
+    marks = ",".join("?" * len(failed_events))
+    cur = await db.execute(
+        "UPDATE memories SET superseded_by = ? WHERE session_id = ? AND kind = 'observation' AND superseded_by IS NULL"
+        " AND json_extract(meta, '$.type') = 'error' AND id != ? AND id IN (SELECT memory_id FROM memory_sources"
+        f" WHERE event_id IN ({marks})) RETURNING id", (fix_id, session_id, fix_id, *failed_events))
+    stale = [row[0] for row in await cur.fetchall()]
+    for old in stale:
+        await add_edge(db, fix_id, old, "supersedes")
+    return len(stale)
 
 
 def watermark_name(session_id: str) -> str:
@@ -157,6 +175,8 @@ class Observer:
                                                                 agent=agent, origin=origin)
                     if is_new:
                         new_ids.append(memory_id)
+                        if obs.meta.get("resolves"):
+                            await supersede_errors(db, session_id, obs.meta["resolves"], memory_id)
                     report.wrote("observation" if is_new else "observation_seen_again", id=memory_id,
                                  session_id=session_id, type=obs.type, text=obs.text, sources=obs.sources)
                 passages = []

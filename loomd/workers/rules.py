@@ -96,6 +96,8 @@ class RuleObserver:
         self.out: list[Observation] = []
         self.lanes: dict[str, _Lane] = {}
         self.procedures: dict[str, tuple[Step, int, str]] = {}  # command -> (last step, new runs, summary)
+        # command -> events of earlier failures of it that a later run of it got past (the error is out of date)
+        self.resolved: dict[str, list[int]] = {}
 
     def is_new(self, step: Step) -> bool:
         return step.ids[-1] in self.new_ids
@@ -122,7 +124,7 @@ class RuleObserver:
             what = str(step.tool_input.get("description") or "").strip()
             what = f" ({clip(what, 60)})" if what and len(command) < 130 else ""
             self.emit("procedure", f"{label}: {tick(command, 150)}{what}", step, command=command, runs=runs,
-                      summary=summary)
+                      summary=summary, resolves=self.resolved.get(command))
         return dedupe(self.out)
 
     # --- turns ---------------------------------------------------------------------------------------------
@@ -334,7 +336,7 @@ class RuleObserver:
             elif is_test and fixed.tests_ran:
                 self.emit("progress", f"Tests green: {tick(short_command(command, 70))}"
                                       f"{' (' + summary + ')' if summary else ''}; was failing: {fixed.line}",
-                          step, [fixed.step], command=command)
+                          step, [fixed.step], command=command, resolves=fixed.step.ids)
             elif short_command(fixed.step.command) != short_command(command) and (
                     ENVIRONMENT.search(fixed.line) or _bare(fixed.step.command) not in _bare(command)):
                 # A different command line, or the same one after the environment was fixed: a pitfall. The same
@@ -342,7 +344,9 @@ class RuleObserver:
                 why = f" ({fixed.why})" if fixed.why else ""
                 self.emit("pitfall", f"{tick(short_command(fixed.step.command, 50))} failed ({clip(fixed.line, 70)}); "
                                      f"{tick(short_command(command, 70))} worked{why}", step, [fixed.step],
-                          failed=fixed.step.command, fixed=command)
+                          failed=fixed.step.command, fixed=command, resolves=fixed.step.ids)
+        if fixed is not None and not plumbing and not filtered:
+            self.resolved.setdefault(short_command(command, 150), []).extend(fixed.step.ids)
         commit = commit_subject(command, step.text)
         if commit:
             sha, subject = commit
