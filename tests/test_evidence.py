@@ -13,6 +13,7 @@ from conftest import need_test_data
 
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
+from loomd.search.windows import GAP, WINDOW_CHARS, best_windows, merge_passages
 from loomd.workers.evidence import MAX_ITEM_CHARS, PASSAGE_CHARS, evidence_of, head_and_tail, passages
 from loomd.workers.steps import Step
 
@@ -89,3 +90,16 @@ async def test_a_line_deep_in_a_tool_result_is_found_as_evidence(client: AsyncCl
     assert len(evidence[0]["text"]) <= PASSAGE_CHARS
     sources = (await client.call("evidence", id=evidence[0]["id"], max_chars=20_000))["memories"][0]["events"]
     assert any(line in e["text"] for e in sources)
+
+
+def test_a_step_is_put_back_together_and_shows_the_lines_that_match() -> None:
+    head = "Bash `nix develop -c lint`:"
+    lines = [f"checking module {i} of the flake: ok" for i in range(60)]
+    lines[3], lines[50] = "running statix over 12 files", "running deadnix over 12 files"
+    texts = passages("\n".join(lines), head)
+    assert len(texts) > 2 and not any("statix" in t and "deadnix" in t for t in texts)  # no one passage has both
+    assert merge_passages(head, texts) == lines  # the overlap is kept once
+    shown = best_windows(head, lines, lambda line: ("statix" in line) + ("deadnix" in line))
+    assert shown.startswith(head) and "statix" in shown and "deadnix" in shown and GAP in shown
+    assert len(shown) <= WINDOW_CHARS
+    assert best_windows(head, lines[:3], lambda _: 0) == f"{head} " + "\n".join(lines[:3])  # short: whole

@@ -30,6 +30,7 @@ from loomd.search.fusion import (
     score_by_entities,
     weighted_rrf,
 )
+from loomd.search.windows import best_windows, merge_passages, passage_head
 from loomd.store.db import Store, connect_sync
 from loomd.store.entities import extract_entities
 from loomd.store.memories import memory_dict
@@ -447,8 +448,11 @@ async def search_hits(
         mine = sources.get(memory_id, ())
         # Passages of one long item are different windows of it: only a memory and its evidence (or the
         # observation it came from) collapse, never two evidence passages.
+        # Passages of one step collapse into the best of them (it shows the step's windows that match); passages of
+        # different steps that share an event (a call and its result) stay apart.
         holder = next((cited[e] for e in mine if e in cited
-                       and not (item["kind"] == "evidence" and cited[e].memory["kind"] == "evidence")), None)
+                       and not (item["kind"] == "evidence" and cited[e].memory["kind"] == "evidence"
+                                and set(sources.get(cited[e].memory["id"], ())) != set(mine))), None)
         if holder is None:
             if len(results) < limit:
                 results.append(hit)
@@ -465,6 +469,7 @@ async def search_hits(
             cited.update((e, hit) for e in (*mine, *(e for e, h in cited.items() if h is holder)))
         else:
             holder.memory.setdefault("collapsed", []).append(memory_id)
+    await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query)
     timings["fuse_ms"] = _ms(t)
     timings["total_ms"] = _ms(started)
     if report is not None:
@@ -477,6 +482,31 @@ async def search_hits(
 
 def _ms(started: float) -> float:
     return round((time.perf_counter() - started) * 1000, 3)
+
+
+async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, Any],
+                        sources: Mapping[int, tuple[int, ...]], query: str) -> None:
+    """Each evidence hit shows the windows of its whole step that match the query (`search/windows.py`)."""
+    terms = [set(stemmer()(term)) for term in query_terms(query)]
+    stem = stemmer()
+
+    def holds(line: str) -> int:
+        words = {s for w in query_terms(line, frozenset(), limit=None) for s in stem(w)}
+        return sum(1 for term in terms if term and term <= words)
+
+    for hit in hits:
+        memory_id = hit.memory["id"]
+        head = passage_head(metas.get(memory_id)) if hit.memory["kind"] == "evidence" else None
+        events = sources.get(memory_id, ())
+        if head is None or not events:
+            continue
+        rows = await store.fetchall(
+            "SELECT m.text, m.meta FROM memory_sources s JOIN memories m ON m.id = s.memory_id WHERE s.event_id = ?"
+            " AND m.kind = 'evidence' AND m.archived_at IS NULL", (events[0],))
+        parts = sorted((json.loads(r["meta"] or "{}").get("part", 0), r["text"]) for r in rows
+                       if passage_head(r["meta"]) == head)
+        if len(parts) > 1:
+            hit.memory["text"] = best_windows(head, merge_passages(head, [text for _, text in parts]), holds)
 
 
 def _near(a: frozenset[str], b: frozenset[str]) -> bool:

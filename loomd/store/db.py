@@ -122,6 +122,20 @@ def describe(exc: BaseException) -> str:
     return f"{exc} [{name}{': ' + hint if hint else ''}]"
 
 
+async def open_reader(path: Path, *, busy_timeout_ms: int) -> aiosqlite.Connection:
+    """A read-only aiosqlite connection on a thread of its own."""
+    reader = aiosqlite.Connection(lambda: connect_sync(path, busy_timeout_ms=busy_timeout_ms), 64)
+    try:
+        await reader
+        await reader.execute("PRAGMA query_only = ON")
+    except BaseException:
+        # Cancelled (the daemon stopping while it starts) or failed: close it here, as nothing else can; its
+        # thread is not a daemon thread, and left running it would keep the process from exiting.
+        await reader.close()
+        raise
+    return reader
+
+
 class Store:
     """Owns the database. Writes go through `atomic()` (serialised); reads use a second connection."""
 
@@ -136,11 +150,9 @@ class Store:
         # Open and check on a plain thread: a refused file then leaves no aiosqlite worker thread behind.
         conn = await asyncio.to_thread(open_checked, path, busy_timeout_ms=busy_timeout_ms)
         writer = aiosqlite.Connection(lambda: conn, 64)
-        await writer
-        reader = aiosqlite.Connection(lambda: connect_sync(path, busy_timeout_ms=busy_timeout_ms), 64)
         try:
-            await reader
-            await reader.execute("PRAGMA query_only = ON")
+            await writer
+            reader = await open_reader(path, busy_timeout_ms=busy_timeout_ms)
         except BaseException:
             await writer.close()
             raise

@@ -20,7 +20,7 @@ import aiosqlite
 import numpy as np
 
 from loomd.errors import EmbedderError, StorageError
-from loomd.store.db import DB_ERRORS, Store, connect_sync
+from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.vectors.backfill import Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
 from loomd.vectors.embed import Embedder, NoEmbedder, make_embedder
 from loomd.vectors.index import PREFILTER, BitIndex, Filters
@@ -281,17 +281,7 @@ class VectorService:
     async def _open_reader(self) -> aiosqlite.Connection:
         """A read connection of the vector signal's own (its own thread): vector searches never queue behind
         keyword queries, and SQLite's allocations stay off the model's thread (whose heap then shrinks back)."""
-        path, timeout = self.store.path, self.config.busy_timeout_ms
-        reader = aiosqlite.Connection(lambda: connect_sync(path, busy_timeout_ms=timeout), 64)
-        try:
-            await reader
-            await reader.execute("PRAGMA query_only = ON")
-        except BaseException:
-            # Cancelled (the daemon stopping while it starts) or failed: close it here, as nothing else can; its
-            # thread is not a daemon thread, and left running it would keep the process from exiting.
-            await reader.close()
-            raise
-        return reader
+        return await open_reader(self.store.path, busy_timeout_ms=self.config.busy_timeout_ms)
 
     async def knn(
         self, query: str, *, k: int, filters: Filters, where: str, params: Sequence[Any], mixed: bool = True,

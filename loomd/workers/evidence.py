@@ -35,6 +35,12 @@ class Evidence:
     ts: float
     sources: list[int]
     role: str  # the step's role: user, assistant, run, compact, summary
+    head: str  # the header every passage of the step opens with
+    part: int  # this passage's place among the step's passages
+
+    def meta(self) -> dict[str, object]:
+        """What search needs to put the step back together (`search.retrieval.item_windows`)."""
+        return {"head": self.head, "part": self.part}
 
 
 def _value(value: Any) -> str:
@@ -80,6 +86,9 @@ def step_text(step: Step) -> str:
     asked = tool_input_text(step)
     if step.command:  # the header names the command; a long one (a heredoc) still keeps its body here
         asked = step.command if len(step.command) > 70 else ""
+        why = step.tool_input.get("description")  # Claude's Bash says what the command is for
+        if isinstance(why, str) and why.strip():
+            asked = f"({why.strip()})" + (f"\n{asked}" if asked else "")
     result = ("(failed) " if step.failed else "") + _LINE_NUMBERS.sub("", step.text)
     return "\n".join(part for part in (asked, result) if part.strip())
 
@@ -156,5 +165,6 @@ def evidence_of(steps: Sequence[Step], new_ids: set[int]) -> list[Evidence]:
         text = head_and_tail(step_text(step))
         if len(text.strip()) < MIN_PASSAGE_CHARS:
             continue
-        out += [Evidence(p, step.ts, list(step.ids), step.role) for p in passages(text, header(step))]
+        head = header(step)
+        out += [Evidence(p, step.ts, list(step.ids), step.role, head, i) for i, p in enumerate(passages(text, head))]
     return out
