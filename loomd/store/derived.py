@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,18 +28,17 @@ MAX_NEIGHBOUR_CHARS = 600
 
 async def session_window(
     db: aiosqlite.Connection, session_id: str, created: float, memory_id: int, before: int, after: int,
-    evidence: bool = False,
 ) -> tuple[list[Any], list[Any]]:
-    """Up to `before` memories preceding and `after` following one memory in its session, nearest first, of its
-    own tier: evidence passages neighbour the passages around them, distilled memories each other."""
+    """Up to `before` distilled memories preceding and `after` following one memory in its session, nearest first
+    (evidence passages are not neighbours of distilled memories: they would only repeat the session's text)."""
     async with db.execute(
-        "SELECT id, text FROM memories WHERE session_id = ? AND (created, id) < (?, ?) AND (kind = 'evidence') = ?"
-        " ORDER BY created DESC, id DESC LIMIT ?", (session_id, created, memory_id, evidence, before),
+        "SELECT id, text FROM memories WHERE session_id = ? AND (created, id) < (?, ?) AND kind != 'evidence'"
+        " ORDER BY created DESC, id DESC LIMIT ?", (session_id, created, memory_id, before),
     ) as cur:
         earlier = list(await cur.fetchall())
     async with db.execute(
-        "SELECT id, text FROM memories WHERE session_id = ? AND (created, id) > (?, ?) AND (kind = 'evidence') = ?"
-        " ORDER BY created, id LIMIT ?", (session_id, created, memory_id, evidence, after),
+        "SELECT id, text FROM memories WHERE session_id = ? AND (created, id) > (?, ?) AND kind != 'evidence'"
+        " ORDER BY created, id LIMIT ?", (session_id, created, memory_id, after),
     ) as cur:
         later = list(await cur.fetchall())
     return earlier, later
@@ -52,10 +52,10 @@ async def update_context(db: aiosqlite.Connection, memory_id: int) -> int:
     """Refresh `ctx` of a memory and of its session neighbours whose window now includes it; rows changed."""
     async with db.execute("SELECT session_id, created, kind FROM memories WHERE id = ?", (memory_id,)) as cur:
         row = await cur.fetchone()
-    if row is None or row[0] is None:
-        return 0
+    if row is None or row[0] is None or row[2] == "evidence":
+        return 0  # an evidence passage's ctx is its step's neighbouring passages, written with it
     w = CONTEXT_WINDOW
-    earlier, later = await session_window(db, row[0], row[1], memory_id, 2 * w, 2 * w, row[2] == "evidence")
+    earlier, later = await session_window(db, row[0], row[1], memory_id, 2 * w, 2 * w)
     async with db.execute("SELECT id, text FROM memories WHERE id = ?", (memory_id,)) as cur:
         me = await cur.fetchone()
     # Time order, this memory at `centre`; with 2w fetched on each side every changed row sees its whole window.
@@ -72,29 +72,32 @@ async def update_context(db: aiosqlite.Connection, memory_id: int) -> int:
 
 async def link_entities(db: aiosqlite.Connection, memory_id: int, project: str, text: str,
                         co_occurrence: bool = True) -> int:
-    """Entities of the text, `mentions` edges to them, `co_occurs` edges between them; new mentions."""
-    found = extract_entities(text)[:MAX_ENTITIES]
+    """Entities of the text, `mentions` edges to them, `co_occurs` edges between them; new mentions. A handful of
+    statements whatever the number of entities (each is a trip to the connection's thread)."""
+    found = list(dict.fromkeys(extract_entities(text)[:MAX_ENTITIES]))
     if not found:
         return 0
     now = time.time()
-    entity_ids: list[int] = []
-    new_mentions = 0
-    for name, kind in found:
-        async with db.execute(
-            "INSERT INTO entities (project, name, kind) VALUES (?, ?, ?)"
-            " ON CONFLICT(project, name) DO UPDATE SET kind = entities.kind RETURNING id", (project, name, kind),
-        ) as cur:
-            entity_id = int((await cur.fetchone())[0])  # type: ignore[index]
-        if entity_id in entity_ids:
-            continue
-        entity_ids.append(entity_id)
-        cur = await db.execute(
-            "INSERT OR IGNORE INTO edges (src_type, src_id, dst_type, dst_id, type, weight, created)"
-            " VALUES ('memory', ?, 'entity', ?, 'mentions', 1.0, ?)", (memory_id, entity_id, now))
-        if cur.rowcount == 1:
-            new_mentions += 1
-            await db.execute("UPDATE entities SET mentions = mentions + 1 WHERE id = ?", (entity_id,))
-    if new_mentions and co_occurrence:  # a memory seen again (same text) adds no co-occurrence
+    await db.executemany("INSERT OR IGNORE INTO entities (project, name, kind) VALUES (?, ?, ?)",
+                         [(project, name, kind) for name, kind in found])
+    names = json.dumps([name for name, _ in found])
+    ids = {r[1]: r[0] for r in await db.execute_fetchall(
+        "SELECT id, name FROM entities WHERE project = ? AND name IN (SELECT value FROM json_each(?))",
+        (project, names))}
+    entity_ids = list(dict.fromkeys(ids[name] for name, _ in found if name in ids))
+    marks = ",".join("?" * len(entity_ids))
+    known = {r[0] for r in await db.execute_fetchall(
+        f"SELECT dst_id FROM edges WHERE src_type = 'memory' AND src_id = ? AND dst_type = 'entity'"
+        f" AND type = 'mentions' AND dst_id IN ({marks})", (memory_id, *entity_ids))}
+    fresh = [e for e in entity_ids if e not in known]
+    if not fresh:
+        return 0  # a memory seen again (same text) adds no mention and no co-occurrence
+    await db.executemany(
+        "INSERT OR IGNORE INTO edges (src_type, src_id, dst_type, dst_id, type, weight, created)"
+        " VALUES ('memory', ?, 'entity', ?, 'mentions', 1.0, ?)", [(memory_id, e, now) for e in fresh])
+    await db.execute(f"UPDATE entities SET mentions = mentions + 1 WHERE id IN ({','.join('?' * len(fresh))})",
+                     fresh)
+    if co_occurrence:
         head = sorted(entity_ids[:MAX_CO_OCCURRING])
         await db.executemany(
             "INSERT INTO edges (src_type, src_id, dst_type, dst_id, type, weight, created)"
@@ -102,7 +105,7 @@ async def link_entities(db: aiosqlite.Connection, memory_id: int, project: str, 
             " ON CONFLICT (src_type, src_id, dst_type, dst_id, type) DO UPDATE SET weight = weight + 1",
             [(a, b, now) for i, a in enumerate(head) for b in head[i + 1 :]],
         )
-    return new_mentions
+    return len(fresh)
 
 
 async def write_derived(db: aiosqlite.Connection, ids: Sequence[int]) -> None:

@@ -61,8 +61,10 @@ async def insert_memory(
     origin: str = "store",
     meta: dict[str, Any] | None = None,
     sources: Iterable[int] = (),
+    context: str = "",
 ) -> tuple[int, bool]:
-    """Insert inside the caller's transaction; the same text in the same project bumps the existing row."""
+    """Insert inside the caller's transaction; the same text in the same project bumps the existing row. `context`
+    fills the down-weighted `ctx` column at once (evidence: its neighbours in the step); else `derive` fills it."""
     check_kind(kind)
     if scope not in SCOPES:
         raise BadRequest(f"unknown scope '{scope}'; one of: {', '.join(SCOPES)}")
@@ -86,9 +88,10 @@ async def insert_memory(
     else:
         cur = await db.execute(
             "INSERT INTO memories (kind, text, project, scope, session_id, agent, importance, tags, created, updated,"
-            " expires, content_hash, tokens, origin, meta) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " expires, content_hash, tokens, origin, meta, ctx) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (kind, text, project, scope, session_id, agent, float(importance), " ".join(sorted(set(tags))),
-             created or now, now, expires, digest, estimate_tokens(text), origin, json.dumps(meta or {})),
+             created or now, now, expires, digest, estimate_tokens(text), origin, json.dumps(meta or {}),
+             redact_text(context)),
         )
         memory_id = int(cur.lastrowid or 0)
         is_new = True

@@ -21,7 +21,7 @@ import numpy as np
 
 from loomd.errors import EmbedderError, StorageError
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
-from loomd.vectors.backfill import Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
+from loomd.vectors.backfill import BATCH, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
 from loomd.vectors.embed import Embedder, NoEmbedder, make_embedder
 from loomd.vectors.index import PREFILTER, BitIndex, Filters
 
@@ -230,9 +230,14 @@ class VectorService:
     def _plan(self) -> Plan | None:
         assert self.embedder is not None
         conn = self._connection()
-        dirty = sorted(self._dirty)
-        self._dirty.difference_update(dirty)
-        batch, self._cursor = scan(conn, self.embedder.name, dirty, self._cursor)
+        # At most a batch of them: a big write (a session's evidence) must not become one embedding call of minutes
+        # that shutdown would have to wait for; the rest stay dirty for the next rounds.
+        while True:
+            dirty = sorted(self._dirty)[:BATCH]
+            self._dirty.difference_update(dirty)
+            batch, self._cursor = scan(conn, self.embedder.name, dirty, self._cursor)
+            if batch or not self._dirty:
+                break
         if not batch:
             self.pending = 0
             return None

@@ -24,6 +24,7 @@ PASSAGE_CHARS = 720  # a passage, header included: 5 of them stay within 900 tok
 OVERLAP_CHARS = 160  # carried over from the passage before, so an answer on a boundary is whole in one of them
 MAX_ITEM_CHARS = 16_000  # longer step texts keep their head and tail (the middle of a long log says least)
 MIN_PASSAGE_CHARS = 12  # shorter texts ("ok", "y") say nothing on their own
+CONTEXT_CHARS = 600  # of each neighbouring passage of the same step, in a passage's `ctx`
 EVIDENCE_IMPORTANCE = 0.2  # below any distilled memory: when equally relevant, the dense memory wins
 _INPUT_FIELDS = ("file_path", "path", "notebook_path", "pattern", "url", "query", "description", "prompt",
                  "old_string", "new_string", "content", "patch", "input", "todos", "questions", "answers", "plan")
@@ -37,6 +38,7 @@ class Evidence:
     role: str  # the step's role: user, assistant, run, compact, summary
     head: str  # the header every passage of the step opens with
     part: int  # this passage's place among the step's passages
+    context: str = ""  # its neighbours within the step (the full-text index's down-weighted `ctx` column)
 
     def meta(self) -> dict[str, object]:
         """What search needs to put the step back together (`search.retrieval.item_windows`)."""
@@ -166,5 +168,8 @@ def evidence_of(steps: Sequence[Step], new_ids: set[int]) -> list[Evidence]:
         if len(text.strip()) < MIN_PASSAGE_CHARS:
             continue
         head = header(step)
-        out += [Evidence(p, step.ts, list(step.ids), step.role, head, i) for i, p in enumerate(passages(text, head))]
+        parts = passages(text, head)
+        for i, passage in enumerate(parts):
+            around = [p[len(head) + 1:][:CONTEXT_CHARS] for p in (*parts[max(0, i - 1):i], *parts[i + 1:i + 2])]
+            out.append(Evidence(passage, step.ts, list(step.ids), step.role, head, i, " ".join(around)))
     return out

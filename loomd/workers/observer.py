@@ -184,7 +184,7 @@ class Observer:
                     passage_id, is_new = await insert_memory(
                         db, kind="evidence", text=item.text, project=project, scope="session", session_id=session_id,
                         agent=agent, importance=EVIDENCE_IMPORTANCE, created=item.ts, origin="evidence",
-                        sources=item.sources, meta=item.meta())
+                        sources=item.sources, meta=item.meta(), context=item.context)
                     if is_new:
                         passages.append(passage_id)
                 report.detail["evidence"] = report.detail.get("evidence", 0) + len(passages)
