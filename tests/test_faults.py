@@ -97,7 +97,11 @@ with open(cfg["out"], "w") as fh:
 
 def daemon_env(home: Path, **extra: str) -> dict[str, str]:
     # Keep the daemon away from the real user's transcripts: no Codex session discovery outside the test home.
-    return {"LOOMD_CODEX_HOME": str(home / "codex"), **extra}
+    # These tests load the ingest path with thousands of padded events; the observer would turn each into evidence
+    # passages and the embedder would embed them (minutes of CPU on 2 cores, none of it under test here: the
+    # workers and the embedder have their own tests, and bench/soak.py and bench/ingest.py load everything).
+    return {"LOOMD_CODEX_HOME": str(home / "codex"), "LOOMD_EMBEDDER": "none",
+            "LOOMD_OBSERVE_AFTER_TOKENS": "1000000000", **extra}
 
 
 def shim_env(home: Path, **extra: str) -> dict[str, str]:

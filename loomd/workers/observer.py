@@ -33,7 +33,7 @@ from loomd.workers.steps import SourceEvent, to_steps
 
 log = logging.getLogger(__name__)
 
-CHUNK_EVENTS = 100  # per transaction: the write lock is shared with ingest
+CHUNK_EVENTS = 25  # per transaction: the write lock is shared with ingest (a chunk writes its evidence too)
 CONTEXT_EVENTS = 200
 EVENT_COLUMNS = "id, session_id, kind, ts, agent, project, tool_name, tool_use_id, payload"
 
