@@ -487,8 +487,10 @@ def _ms(started: float) -> float:
 async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, Any],
                         sources: Mapping[int, tuple[int, ...]], query: str) -> None:
     """Each evidence hit shows the windows of its whole step that match the query (`search/windows.py`)."""
-    terms = [set(stemmer()(term)) for term in query_terms(query)]
+    if not any(hit.memory["kind"] == "evidence" for hit in hits):
+        return  # the common case of the hook's keyword recall: nothing to stem, nothing to read
     stem = stemmer()
+    terms = [set(stem(term)) for term in query_terms(query)]
 
     def holds(line: str) -> int:
         words = {s for w in query_terms(line, frozenset(), limit=None) for s in stem(w)}
