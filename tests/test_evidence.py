@@ -57,7 +57,8 @@ def test_a_tool_run_is_its_input_and_its_result_and_a_call_seen_twice_counts_onc
     assert [e.sources for e in found] == [[1], [3]]
     assert "app/config.py" in found[0].text and "RETRIES = 5" in found[0].text and "RETRIES = 3" in found[0].text
     assert found[1].text.startswith("Bash `pnpm install`:") and "unmet peer vitest@^3.2.0" in found[1].text
-    assert evidence_of([edit, shell], {3}) == found[1:]  # only steps holding a new event
+    assert [e.text for e in evidence_of([edit, shell], {3})] == [found[1].text]  # only steps holding a new event
+    assert "RETRIES = 5" in found[1].context  # the passage before it, as context
 
 
 def _deep_line(path: Path) -> str:

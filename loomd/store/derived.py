@@ -53,7 +53,7 @@ async def update_context(db: aiosqlite.Connection, memory_id: int) -> int:
     async with db.execute("SELECT session_id, created, kind FROM memories WHERE id = ?", (memory_id,)) as cur:
         row = await cur.fetchone()
     if row is None or row[0] is None or row[2] == "evidence":
-        return 0  # an evidence passage's ctx is its step's neighbouring passages, written with it
+        return 0  # an evidence passage's ctx is its neighbouring passages, written with it (workers/evidence.py)
     w = CONTEXT_WINDOW
     earlier, later = await session_window(db, row[0], row[1], memory_id, 2 * w, 2 * w)
     async with db.execute("SELECT id, text FROM memories WHERE id = ?", (memory_id,)) as cur:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from loomd.ingest.reading import EDIT_TOOLS, clip, short_command
@@ -24,7 +24,8 @@ PASSAGE_CHARS = 720  # a passage, header included: 5 of them stay within 900 tok
 OVERLAP_CHARS = 160  # carried over from the passage before, so an answer on a boundary is whole in one of them
 MAX_ITEM_CHARS = 16_000  # longer step texts keep their head and tail (the middle of a long log says least)
 MIN_PASSAGE_CHARS = 12  # shorter texts ("ok", "y") say nothing on their own
-CONTEXT_CHARS = 600  # of each neighbouring passage of the same step, in a passage's `ctx`
+CONTEXT_WINDOW = 2  # passages on each side whose text fills a passage's `ctx`
+CONTEXT_CHARS = 600  # of each of them
 EVIDENCE_IMPORTANCE = 0.2  # below any distilled memory: when equally relevant, the dense memory wins
 _INPUT_FIELDS = ("file_path", "path", "notebook_path", "pattern", "url", "query", "description", "prompt",
                  "old_string", "new_string", "content", "patch", "input", "todos", "questions", "answers", "plan")
@@ -38,7 +39,7 @@ class Evidence:
     role: str  # the step's role: user, assistant, run, compact, summary
     head: str  # the header every passage of the step opens with
     part: int  # this passage's place among the step's passages
-    context: str = ""  # its neighbours within the step (the full-text index's down-weighted `ctx` column)
+    context: str = ""  # its neighbours in the session (the full-text index's down-weighted `ctx` column)
 
     def meta(self) -> dict[str, object]:
         """What search needs to put the step back together (`search.retrieval.item_windows`)."""
@@ -168,8 +169,14 @@ def evidence_of(steps: Sequence[Step], new_ids: set[int]) -> list[Evidence]:
         if len(text.strip()) < MIN_PASSAGE_CHARS:
             continue
         head = header(step)
-        parts = passages(text, head)
-        for i, passage in enumerate(parts):
-            around = [p[len(head) + 1:][:CONTEXT_CHARS] for p in (*parts[max(0, i - 1):i], *parts[i + 1:i + 2])]
-            out.append(Evidence(passage, step.ts, list(step.ids), step.role, head, i, " ".join(around)))
-    return out
+        out += [Evidence(p, step.ts, list(step.ids), step.role, head, i) for i, p in enumerate(passages(text, head))]
+    return with_context(out)
+
+
+def with_context(found: list[Evidence], window: int = CONTEXT_WINDOW) -> list[Evidence]:
+    """Each passage's `ctx`: the text of up to `window` passages before and after it in the session's order (the
+    command before a result, the question before an answer), so the full-text index reads a passage with what
+    surrounds it, at a lower weight than its own words."""
+    return [replace(item, context=" ".join(other.text[:CONTEXT_CHARS] for other in
+                                           (*found[max(0, i - window):i], *found[i + 1:i + 1 + window])))
+            for i, item in enumerate(found)]
