@@ -25,6 +25,7 @@ from loomd.client import AsyncClient, Client
 from loomd.daemon import Daemon
 from loomd.store.db import connect_sync
 from loomd.workers.digest import budgets, render_digest
+from loomd.workers.observer import CHUNK_EVENTS
 from loomd.workers.rules import observe
 from loomd.workers.steps import SourceEvent
 
@@ -154,7 +155,7 @@ async def test_dry_run_reports_exactly_what_a_run_writes_and_writes_nothing(monk
 
 
 async def test_a_failed_chunk_never_moves_the_watermark(monkeypatch, home) -> None:
-    """600 events: the first chunk (500) commits; a write fault in the second rolls back that chunk only."""
+    """600 events, a write fault at the 551st: the chunks before it commit; the faulty chunk rolls back only."""
     async with loomd(monkeypatch, home) as (d, client):
         events = []
         for i in range(300):
@@ -169,7 +170,8 @@ async def test_a_failed_chunk_never_moves_the_watermark(monkeypatch, home) -> No
         failed = await client.call("workers_run", name="observer", session_id="big")
         assert failed["outcome"] == "error" and "disk says no" in failed["error"]
         mark = int(await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:big'"))
-        assert mark == ids[499]  # the first chunk, and not one event further
+        committed = 550 // CHUNK_EVENTS * CHUNK_EVENTS  # the chunks before the faulty one
+        assert mark == ids[committed - 1]  # and not one event further
         cited = await d.store.scalar("SELECT max(s.event_id) FROM memory_sources s JOIN memories m"
                                      " ON m.id = s.memory_id WHERE m.kind = 'observation'")
         assert cited <= mark  # nothing written cites an event past the watermark
@@ -178,7 +180,7 @@ async def test_a_failed_chunk_never_moves_the_watermark(monkeypatch, home) -> No
         async with d.store.atomic() as db:
             await db.execute("DROP TRIGGER boom")
         done = await client.call("workers_run", name="observer", session_id="big")
-        assert done["outcome"] == "ok" and done["items_in"] == 100
+        assert done["outcome"] == "ok" and done["items_in"] == 600 - committed
         assert int(await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:big'")) == ids[-1]
         assert any("Never deploy on Fridays" in m["text"] for m in await memories(client, kind="observation"))
 
