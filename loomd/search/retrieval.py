@@ -440,27 +440,26 @@ async def search_hits(
         item = memory_dict(by_id[memory_id])
         item["score"] = round(score, 6)
         hit = Hit(item, {s: SignalHit(rank, raw[s][memory_id], part) for s, (rank, part) in parts.items()})
-        words = frozenset(query_terms(item["text"], limit=None))
-        twin = next((h for h, w in kept_words if _near(words, w)), None) if item["kind"] == "evidence" else None
+        evidence = item["kind"] == "evidence"
+        words = frozenset(query_terms(item["text"], limit=None)) if evidence else frozenset()
+        twin = next((h for h, w in kept_words if _near(words, w)), None) if evidence else None
         if twin is not None:  # the same passage again (a todo list rewritten, a file read twice): one slot
             twin.memory.setdefault("collapsed", []).append(memory_id)
             continue
         mine = sources.get(memory_id, ())
-        # Passages of one long item are different windows of it: only a memory and its evidence (or the
-        # observation it came from) collapse, never two evidence passages.
         # Passages of one step collapse into the best of them (it shows the step's windows that match); passages of
         # different steps that share an event (a call and its result) stay apart.
         holder = next((cited[e] for e in mine if e in cited
-                       and not (item["kind"] == "evidence" and cited[e].memory["kind"] == "evidence"
+                       and not (evidence and cited[e].memory["kind"] == "evidence"
                                 and set(sources.get(cited[e].memory["id"], ())) != set(mine))), None)
         if holder is None:
             if len(results) < limit:
                 results.append(hit)
-                if item["kind"] == "evidence":
+                if evidence:
                     kept_words.append((hit, words))
                 cited.update((e, hit) for e in mine if e not in cited or cited[e].memory["kind"] == "evidence")
             continue
-        if holder.memory["kind"] == "evidence" and item["kind"] != "evidence" \
+        if holder.memory["kind"] == "evidence" and not evidence \
                 and score >= DENSE_WINS * holder.memory["score"]:
             # Equally relevant: the dense memory takes the slot, the passage it came from is collapsed into it.
             results[results.index(holder)] = hit
@@ -489,12 +488,9 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
     """Each evidence hit shows the windows of its whole step that match the query (`search/windows.py`)."""
     if not any(hit.memory["kind"] == "evidence" for hit in hits):
         return  # the common case of the hook's keyword recall: nothing to stem, nothing to read
-    stem = stemmer()
-    terms = [set(stem(term)) for term in query_terms(query)]
 
     def holds(line: str) -> int:
-        words = {s for w in query_terms(line, frozenset(), limit=None) for s in stem(w)}
-        return sum(1 for term in terms if term and term <= words)
+        return covered_terms(query, line)[0]
 
     for hit in hits:
         memory_id = hit.memory["id"]
