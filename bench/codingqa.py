@@ -528,7 +528,7 @@ def _strings(value: Any) -> Iterator[str]:
 # Asking
 
 
-def ask(daemon: Daemon, sessions: list[Session]) -> dict[str, Any]:
+def ask(daemon: Daemon, sessions: list[Session], search_args: dict[str, Any] | None = None) -> dict[str, Any]:
     search_rows: list[dict[str, Any]] = []
     recall_rows: list[dict[str, Any]] = []
     detail: list[dict[str, Any]] = []
@@ -537,7 +537,7 @@ def ask(daemon: Daemon, sessions: list[Session]) -> dict[str, Any]:
             keys = q["answer_keys"]
             t = time.perf_counter()
             reply = daemon.call("search", {"query": q["question"], "project": s.project, "limit": SEARCH_LIMIT,
-                                           "mode": "hybrid"})
+                                           "mode": "hybrid", **(search_args or {})})
             search_ms = (time.perf_counter() - t) * 1000
             results = reply["results"]
             texts = [r["text"] for r in results]
@@ -669,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the folder of session files (default: transcripts/ next to --qa)")
     parser.add_argument("--json", type=Path, help="also write the full result (every question) to this file")
     parser.add_argument("--only", default="", help="session ids of the set, comma-separated (default: all)")
+    parser.add_argument("--search-args", default="",
+                        help="extra arguments of the search op as JSON (e.g. weights, tuning), to compare settings")
     parser.add_argument("--keep", action="store_true", help="keep the daemon's LOOMD_HOME")
     parser.add_argument("--home", type=Path, default=None,
                         help="ask a store replayed before (a LOOMD_HOME kept with --keep): no replay, search only")
@@ -722,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         replay_s = time.monotonic() - t0
         store = describe_store(daemon, sessions)
         t = time.monotonic()
-        asked = ask(daemon, sessions)
+        asked = ask(daemon, sessions, json.loads(args.search_args) if args.search_args else None)
         start = start_blocks(daemon, sessions)
         ask_s = time.monotonic() - t
     finally:

@@ -13,6 +13,7 @@ from conftest import need_test_data
 
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
+from loomd.search.retrieval import held_terms
 from loomd.search.windows import GAP, WINDOW_CHARS, best_windows, merge_passages
 from loomd.workers.evidence import MAX_ITEM_CHARS, PASSAGE_CHARS, evidence_of, head_and_tail, passages
 from loomd.workers.steps import Step
@@ -100,7 +101,24 @@ def test_a_step_is_put_back_together_and_shows_the_lines_that_match() -> None:
     texts = passages("\n".join(lines), head)
     assert len(texts) > 2 and not any("statix" in t and "deadnix" in t for t in texts)  # no one passage has both
     assert merge_passages(head, texts) == lines  # the overlap is kept once
-    shown = best_windows(head, lines, lambda line: ("statix" in line) + ("deadnix" in line))
+    shown = best_windows(head, lines, lambda line: {t for t in ("statix", "deadnix") if t in line})
     assert shown.startswith(head) and "statix" in shown and "deadnix" in shown and GAP in shown
     assert len(shown) <= WINDOW_CHARS
-    assert best_windows(head, lines[:3], lambda _: 0) == f"{head} " + "\n".join(lines[:3])  # short: whole
+    assert best_windows(head, lines[:3], lambda _: ()) == f"{head} " + "\n".join(lines[:3])  # short: whole
+
+
+def test_a_window_keeps_the_lines_that_follow_what_matched() -> None:
+    """The answer follows the line that names its subject ("… failed" and then "fixed by …"), without the query's
+    words: the window is a run from the best-covering line on, not the lines that each hold a word."""
+    head = "Compaction summary:"
+    lines = [f"- note {i}: the import step ran and logged its output" for i in range(60)]
+    lines[20] = "- Import path errors: test files failed to compile"
+    lines[21] = "- Fixed by using the full GitHub module path everywhere"
+    query = "why did test files fail to compile on import"
+
+    def holds(line: str) -> frozenset[str]:
+        return held_terms(query, line)
+
+    shown = best_windows(head, lines, holds)
+    assert lines[20] in shown and lines[21] in shown
+    assert len(shown) <= WINDOW_CHARS

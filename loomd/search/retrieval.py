@@ -166,15 +166,20 @@ def stemmer() -> Stemmer:
     return _stem
 
 
-def covered_terms(query: str, text: str) -> tuple[int, int]:
-    """(how many of the query's terms the text holds, as the index reads both; how many terms the query has)."""
+def held_terms(query: str, text: str) -> frozenset[str]:
+    """The query's terms (`query_terms`) that the text holds, as the index reads both (stemmed)."""
     terms = query_terms(query)
     if not terms:
-        return 0, 0
+        return frozenset()
     stem = stemmer()
     # Word by word through the stemmer's cache: a memory's words are mostly known already.
     held = {t for word in set(query_terms(text, frozenset(), limit=None)) for t in stem(word)}
-    return sum(1 for term in terms if set(stem(term)) <= held), len(terms)
+    return frozenset(term for term in terms if set(stem(term)) <= held)
+
+
+def covered_terms(query: str, text: str) -> tuple[int, int]:
+    """(how many of the query's terms the text holds, as the index reads both; how many terms the query has)."""
+    return len(held_terms(query, text)), len(query_terms(query))
 
 
 # Memories per index term, for pruning only (an estimate may be minutes old): (store, term) -> (when, count).
@@ -489,8 +494,8 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
     if not any(hit.memory["kind"] == "evidence" for hit in hits):
         return  # the common case of the hook's keyword recall: nothing to stem, nothing to read
 
-    def holds(line: str) -> int:
-        return covered_terms(query, line)[0]
+    def holds(line: str) -> frozenset[str]:
+        return held_terms(query, line)
 
     for hit in hits:
         memory_id = hit.memory["id"]

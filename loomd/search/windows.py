@@ -10,11 +10,12 @@ checker names far below) comes back as one hit of the same size as a passage.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 WINDOW_CHARS = 720  # what one evidence hit may show, header included (the size of a passage)
 GAP = "…"
+RUN_SHARE = 0.8  # of a window's room, for its one run of lines; the rest for lines holding terms the run missed
 
 
 def merge_passages(head: str, texts: Sequence[str]) -> list[str]:
@@ -29,42 +30,58 @@ def merge_passages(head: str, texts: Sequence[str]) -> list[str]:
     return lines
 
 
-def best_windows(head: str, lines: Sequence[str], holds: Callable[[str], int], budget: int = WINDOW_CHARS) -> str:
-    """`head` and the lines that hold the most query terms (`holds(line)` counts them), then their neighbours,
-    in their order, within `budget` characters; `…` marks what was left out."""
+def best_windows(head: str, lines: Sequence[str], holds: Callable[[str], Collection[str]],
+                 budget: int = WINDOW_CHARS) -> str:
+    """`head` and a window of the step's lines within `budget` characters; `…` marks what was left out.
+
+    Most of the room goes to one run of lines: the one that, starting a line before a line that holds query terms
+    (`holds(line)` names them), covers the most distinct terms — an answer follows the line that names its subject
+    (an error and then "fixed by", a heading and then its bullets, a command and then its output). What room is
+    left takes the lines holding terms the run missed (a checker named far below the command), then the run goes on.
+    """
     room = budget - len(head) - 1
     if sum(len(line) + 1 for line in lines) <= room:
         return f"{head} " + "\n".join(lines)
-    scores = [holds(line) for line in lines]
-    chosen: set[int] = set()
-    used = 0
+    held = [frozenset(holds(line)) for line in lines]
 
-    def take(i: int) -> bool:
-        nonlocal used
-        cost = len(lines[i]) + 3  # the newline and a possible gap mark
-        if i in chosen or used + cost > room:
-            return False
+    def cost(i: int) -> int:
+        return min(len(lines[i]), room) + 3  # the newline and a possible gap mark
+
+    run_room = RUN_SHARE * room
+    best, start = -1, 0
+    for anchor in (i for i, terms in enumerate(held) if terms):
+        first = max(0, anchor - 1)
+        covered: set[str] = set()
+        used, i = 0, first
+        while i < len(lines) and used + cost(i) <= run_room:
+            used += cost(i)
+            covered |= held[i]
+            i += 1
+        if len(covered) > best:
+            best, start = len(covered), first
+    chosen = {start}
+    used, covered, i = cost(start), set(held[start]), start + 1
+    while i < len(lines) and used + cost(i) <= run_room:
         chosen.add(i)
-        used += cost
-        return True
-
-    for i in sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: (-scores[i], i)):
-        take(i)
-    for distance in range(1, len(lines)):  # context around what matched, nearest first
-        for i in sorted(chosen):
-            for j in (i - distance, i + distance):
-                if 0 <= j < len(lines):
-                    take(j)
-        if used >= room - 20:
-            break
-    if not chosen:
-        return f"{head} " + "\n".join(lines)[:room]
+        used += cost(i)
+        covered |= held[i]
+        i += 1
+    for j in sorted((j for j in range(len(lines)) if held[j] - covered), key=lambda j: (-len(held[j] - covered), j)):
+        if held[j] - covered and used + cost(j) <= room:
+            chosen.add(j)
+            used += cost(j)
+            covered |= held[j]
+    while i < len(lines) and used + cost(i) <= room:
+        if i not in chosen:
+            chosen.add(i)
+            used += cost(i)
+        i += 1
     out: list[str] = []
     previous = -1
     for i in sorted(chosen):
         if previous >= 0 and i != previous + 1 or previous < 0 and i > 0:
             out.append(GAP)
-        out.append(lines[i])
+        out.append(lines[i][:room])
         previous = i
     if previous < len(lines) - 1:
         out.append(GAP)
