@@ -75,8 +75,8 @@ class Config:
     start_block_chars: int = 1500
     start_block_chars_claude: int = 0
     start_block_chars_codex: int = 0
-    prompt_block_chars: int = 1600  # 400 tokens: room for one or two evidence passages whole
-    prompt_block_lines: int = 3
+    prompt_block_chars: int = 1600  # 400 tokens
+    prompt_block_lines: int = 3  # an evidence hit is windowed to its share of the block (render.recall_room)
     prompt_min_score: float = 0.5
     # Wait for the prompt's hybrid search inside the UserPromptSubmit hook (an embedding: ~3-40 ms) instead of
     # answering with the keyword signals and delivering the rest with the next tool result.

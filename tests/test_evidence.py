@@ -12,6 +12,7 @@ from pathlib import Path
 from conftest import need_test_data
 
 from loomd.client import AsyncClient
+from loomd.context.render import recall_room
 from loomd.daemon import Daemon
 from loomd.search.retrieval import held_terms
 from loomd.search.windows import GAP, WINDOW_CHARS, best_windows, merge_passages
@@ -122,3 +123,24 @@ def test_a_window_keeps_the_lines_that_follow_what_matched() -> None:
     shown = best_windows(head, lines, holds)
     assert lines[20] in shown and lines[21] in shown
     assert len(shown) <= WINDOW_CHARS
+
+
+async def test_a_prompt_recall_shows_a_window_of_each_step_within_its_share(client: AsyncClient,
+                                                                            daemon: Daemon) -> None:
+    """The per-prompt block holds `prompt_block_lines` hits: a long step shows the window of it that matches the
+    prompt, cut to its share of the block, so several hits fit instead of one or two whole passages."""
+    path = next(need_test_data("transcripts", REAL).glob("*.jsonl"))
+    assert daemon.tailer is not None
+    (session,) = (await daemon.tailer.import_file(path))["sessions"]
+    assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
+    project = (await client.call("events", session_id=session, limit=1))["events"][0]["project"]
+    line = _deep_line(path)
+    reply = await client.call("context", kind="prompt", session_id="a-later-session", project=project, prompt=line)
+    block = reply["text"]
+    cfg = daemon.config
+    assert block and len(block) <= cfg.prompt_block_chars
+    body = block.splitlines()[1:-1]
+    assert 1 <= len(body) <= cfg.prompt_block_lines
+    room = recall_room(cfg.prompt_block_chars, cfg.prompt_block_lines)
+    assert all(len(shown) <= room + len("[V] 2025-01-01  #1234567") for shown in body)
+    assert any(line[:60] in shown for shown in body)  # the matching window, from deep inside the step

@@ -170,6 +170,9 @@ class Expected:
             self.summaries.add(f"{o.get('leafUuid')}\0{o['summary']}")
         elif t == "system" and o.get("subtype") == "away_summary" and str(o.get("content") or "").strip():
             self.summaries.add(str(o.get("uuid")))
+        elif t == "queue-operation" and o.get("operation") == "remove" and isinstance(o.get("content"), str) \
+                and o["content"].strip():
+            self.users.add(norm(o["content"]))
         elif t == "attachment":
             att = o.get("attachment") or {}
             if att.get("type") == "queued_command" and isinstance(att.get("prompt"), str) and att["prompt"].strip():

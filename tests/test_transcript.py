@@ -117,6 +117,8 @@ def _count_claude(objs: list[dict[str, Any]]) -> dict[str, int]:
             summaries.add(f"{o.get('leafUuid')}|{o['summary']}")
         if t == "system" and o.get("subtype") == "away_summary" and _nonblank(o.get("content")):
             summaries.add(o["uuid"])
+        if t == "queue-operation" and o.get("operation") == "remove" and _nonblank(o.get("content")):
+            users.add(f"queued|{o.get('timestamp')}|{o['content']}")  # taken into a running turn: no user line
         if t not in ("user", "assistant"):
             continue
         # A different traversal from the module: every dict anywhere under `message`.
@@ -634,12 +636,19 @@ def test_claude_other_line_types() -> None:
     assert parse_claude_line(away)[0].key == "sys:sy1"
     queued = {"type": "attachment", "uuid": "q1", "attachment": {"type": "queued_command", "prompt": "also do X"}}
     assert parse_claude_line(queued)[0].kind == "user_message"
+    # Taken into the running turn: the queue line is the only copy; sent on its own (dequeue) it has a user line.
+    taken = {"type": "queue-operation", "operation": "remove", "timestamp": "2025-11-22T20:49:51.686Z",
+             "sessionId": "s", "content": "also use tdd and the mcp tools"}
+    (t,) = parse_claude_line(taken)
+    assert t.kind == "user_message" and t.text == "also use tdd and the mcp tools" and t.key.startswith("uq:h:")
     for skipped in (
         {"type": "attachment", "uuid": "h1", "attachment": {"type": "hook_additional_context", "content": ["ctx"]}},
         {"type": "system", "subtype": "stop_hook_summary", "uuid": "x"},
         {"type": "system", "content": "SessionStart:compact completed", "uuid": "y"},
         {"type": "file-history-snapshot", "messageId": "m"},
         {"type": "queue-operation", "operation": "enqueue", "content": [{"type": "text", "text": "/init"}]},
+        {"type": "queue-operation", "operation": "enqueue", "content": "sent later as its own user line"},
+        {"type": "queue-operation", "operation": "dequeue"},
         {"type": "progress", "data": {}},
         {"type": "last-prompt", "lastPrompt": "hi"},
         {"type": "brand-new-type", "content": "?"},

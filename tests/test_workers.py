@@ -589,6 +589,41 @@ async def test_a_real_session_yields_useful_observations_and_reflections(monkeyp
         assert any(".venv" in r["text"] for r in found["results"])
 
 
+async def test_the_users_own_words_outside_prompts_are_kept_and_start_the_next_session(monkeypatch, home) -> None:
+    """The user speaks outside prompts too: a prompt queued while the agent worked (taken into the running turn, so
+    only the queue line holds it), the words typed with a rejected plan, notes beside the options of Codex's
+    questions. Each is the user's voice, and the next session's start block shows what they asked for."""
+    queued = need_test_data("transcripts", "RyanLisse-big3", "logs", "chat.json")
+    rejected = need_test_data("transcripts", "pookNast-loopkit", "logs", "chat.json")
+    answered = need_test_data("transcripts", "AkashJana18-edgerunner", "codex-session.jsonl")
+    async with loomd(monkeypatch, home) as (d, client):
+        assert d.tailer is not None
+        texts: list[str] = []
+        starts: list[str] = []
+        for path in (queued, rejected, answered):
+            session = (await d.tailer.import_file(path))["sessions"][0]
+            assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] \
+                == "ok"
+            for project in [r[0] for r in await db_rows(d, "SELECT DISTINCT project FROM memories")]:
+                await client.call("workers_run", name="reflector", project=project)
+            texts += [m["text"] for m in await memories(client, kind="observation", session_id=session)]
+            project = (await db_rows(d, "SELECT project FROM events WHERE session_id = ? GROUP BY project"
+                                        " ORDER BY count(*) DESC LIMIT 1", (session,)))[0][0]
+            start = await client.call("context", kind="start", session_id=f"next-{session}", project=project)
+            starts.append(start["text"])
+        assert "also use tdd and serena and the mcp tools" in texts  # a preference, in the user's words
+        assert any(t.startswith("User said instead of ExitPlanMode: Generate the plan/miletsonte contract")
+                   for t in texts)
+        assert any(t.startswith("User noted: Prioritize low-level systems design over AI wrappers") for t in texts)
+        # A choice keeps the option's own words, not only its label.
+        assert any(t.startswith('User chose "EdgeRunner (Recommended): Best balance of quant depth') and
+                   t.endswith("for: Which idea should I turn into a decision-complete architecture and nine-day build"
+                              " plan?") for t in texts)
+        assert "also use tdd and serena" in starts[0]
+        assert "how do I explain how to use this" in starts[1]  # the newest of what the user asked
+        assert "help me apply for the agentic engineering grant" in starts[2]
+
+
 async def test_every_real_session_replays_into_observations_and_reflections(monkeypatch, home) -> None:
     root = need_test_data("transcripts")
     from loomd.ingest.transcript import detect_format

@@ -20,6 +20,7 @@ from loomd.context.render import (
     is_trivial,
     line_of,
     project_label,
+    recall_room,
     render_compact_block,
     render_recall_block,
     render_start_block,
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 Search = Callable[..., Awaitable[list[Hit]]]
 
 
+ASK_SESSIONS = 3  # the project's newest sessions whose user asks the start block shows
+ASK_LINES = 3
 PROMPT_FTS_BUDGET = 2000  # memories the prompt hook's full-text query may score (retrieval.prune_terms)
 KEYWORD_TOP = 3  # without a cosine, only the best few keyword hits are candidates at all
 FOLLOW_UP_TIMEOUT_S = 10.0
@@ -254,8 +257,11 @@ class Planner:
         tighter than search's: the commonest words stop ranking sooner (coverage still counts them), which keeps
         this at ~3 ms with 100k memories."""
         keyword = {"weights": {"vec": 0, "graph": 0}, "tuning": {"fts_budget": PROMPT_FTS_BUDGET}}
-        hits = await self.search(query=prompt[:2000], limit=12, project=project, **(keyword if keyword_only else {}))
-        min_score = self.config().prompt_min_score  # only a hit with a cosine is measured against it
+        cfg = self.config()
+        hits = await self.search(query=prompt[:2000], limit=12, project=project,
+                                 window_chars=recall_room(cfg.prompt_block_chars, cfg.prompt_block_lines),
+                                 **(keyword if keyword_only else {}))
+        min_score = cfg.prompt_min_score  # only a hit with a cosine is measured against it
         return [_recall_line(h.memory) for h in hits
                 if _foreign(h.memory, session_id) and relevant(h, min_score, prompt)]
 
@@ -316,8 +322,20 @@ async def start_lines(store: Store, project: str, now: float | None = None) -> t
     by_kind: dict[str, list[Any]] = {}
     for row in await store.fetchall(sql, [p for kind, name in parts for p in (name, now, kind)]):
         by_kind.setdefault(row["kind"], []).append(row)
+    # What the user asked for in the project's latest sessions, in their own words (prompts, the words given with a
+    # rejection, notes on an answer): walked through the few newest sessions' own rows, so the store's size does
+    # not matter.
+    asks = await store.fetchall(
+        "SELECT m.* FROM (SELECT id FROM sessions WHERE project = ? ORDER BY last_seen DESC LIMIT ?) s"
+        " JOIN memories m ON m.session_id = s.id WHERE m.kind = 'observation' AND m.archived_at IS NULL"
+        " AND m.superseded_by IS NULL AND json_extract(m.meta, '$.by') = 'user'"
+        " AND json_extract(m.meta, '$.type') = 'goal' ORDER BY m.created DESC, m.id DESC LIMIT ?",
+        (project, ASK_SESSIONS, ASK_LINES))
     lines: list[Line] = []
-    for _group, kinds in START_GROUPS:
+    for group, kinds in START_GROUPS:
+        if group == "asks":
+            lines.extend(line_of(row) for row in asks)
+            continue
         rows = [row for kind in kinds for row in by_kind.get(kind, [])]
         rows.sort(key=lambda r: (-r["importance"], -r["updated"], -r["id"]))
         for row in rows[:12]:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loomd.ingest.reading import clip
 from loomd.store.memories import KIND_LETTERS
 from loomd.store.tasks import gaps
 
@@ -30,9 +31,11 @@ TRIVIAL = re.compile(
     re.IGNORECASE,
 )
 # Group order of the start block: the user's rules and preferences first (what a new session most needs to obey),
+# then what the user last asked for in their own words (observations the planner picks by session, not by kind),
 # then how to build, test and run, then open work, then key decisions, then lessons, then the digest.
 START_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rules", ("constraint", "preference")),
+    ("asks", ()),
     ("procedures", ("procedure",)),
     ("tasks", ("task", "handoff")),
     ("decisions", ("decision",)),
@@ -79,16 +82,7 @@ def render_line(line: Line, limit: int = MAX_LINE) -> str:
     letter = KIND_LETTERS.get(line.kind, "F")
     head, tail = f"[{letter}] {day(line.created)} ", f" #{line.id}"
     room = max(8, limit - len(head) - len(tail))
-    return head + clip_words(sanitise(line.text), room) + tail
-
-
-def clip_words(text: str, room: int) -> str:
-    """At most `room` characters, cut at a word boundary (an ellipsis marks the cut): never inside a path, a
-    command or an identifier, unless one word alone is longer than the room."""
-    if len(text) <= room:
-        return text
-    cut = text.rfind(" ", 0, room)
-    return (text[:cut].rstrip(" ,;:") if cut > room // 2 else text[: room - 1]) + "…"
+    return head + clip(sanitise(line.text), room) + tail
 
 
 def render_start_block(label: str, lines: Sequence[Line], counts: dict[str, int], budget: int) -> tuple[str, list[int]]:
@@ -138,6 +132,13 @@ def render_recall_block(lines: Sequence[Line], budget: int, max_lines: int) -> t
     if not body:
         return "", []
     return "\n".join([header, *body, CLOSE]), ids
+
+
+def recall_room(budget: int, max_lines: int) -> int:
+    """What one recall line's text may hold for `max_lines` of them to fit `budget` (an evidence hit is windowed to
+    it by the search): shorter windows of more hits hold an answer more often than one or two long ones."""
+    per_line = (budget - len(PROMPT_OPEN) - len(FRAME) - len(CLOSE) - 3) // max(1, max_lines)
+    return max(120, per_line - len("[V] 2025-01-01  #1234567") - 1)
 
 
 def hook_output(event_name: str, text: str) -> str:

@@ -11,9 +11,13 @@ CLIP_CHARS = 200
 
 
 def clip(text: str, limit: int = CLIP_CHARS) -> str:
-    """One line, at most `limit` characters (an ellipsis marks a cut)."""
+    """One line, at most `limit` characters, cut at a word boundary (an ellipsis marks the cut): never inside a
+    path, a command or an identifier, unless one word alone is longer than half the room."""
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit)
+    return (text[:cut].rstrip(" ,;:") if cut > limit // 2 else text[: limit - 1].rstrip()) + "…"
 
 
 def tick(command: str, limit: int = 80) -> str:

@@ -229,6 +229,14 @@ def parse_claude_line(obj: dict[str, Any], *, max_chars: int = 4000) -> list[Tra
         if not isinstance(content, str) or not content.strip():
             return []
         return [TranscriptItem(kind="summary", text=content, key=_line_key("sys", obj, content), **base)]
+    if ltype == "queue-operation" and obj.get("operation") == "remove":
+        # Older Claude Code: a prompt typed while the agent was busy is queued ("enqueue") and then either sent as
+        # its own user line ("dequeue") or taken into the running turn ("remove"), which writes no user line: the
+        # queue line is then the only copy of the user's words.
+        prompt = _block_text(obj.get("content"))
+        if prompt.strip():
+            return [TranscriptItem(kind="user_message", text=prompt, key=_line_key("uq", obj, prompt), **base)]
+        return []
     if ltype == "attachment":
         att = obj.get("attachment")
         # A prompt typed while the agent was busy is stored only as this attachment. Every other attachment is

@@ -30,7 +30,7 @@ from loomd.search.fusion import (
     score_by_entities,
     weighted_rrf,
 )
-from loomd.search.windows import best_windows, merge_passages, passage_head
+from loomd.search.windows import WINDOW_CHARS, best_windows, merge_passages, passage_head
 from loomd.store.db import Store, connect_sync
 from loomd.store.entities import extract_entities
 from loomd.store.memories import memory_dict
@@ -357,9 +357,10 @@ async def search_hits(
     scope: str | None = None, kind: str | list[str] | None = None, since: float | None = None,
     until: float | None = None, session_id: str | None = None, include_archived: bool = False,
     weights: Mapping[str, Any] | None = None, tuning: Mapping[str, Any] | None = None,
-    report: dict[str, Any] | None = None,
+    report: dict[str, Any] | None = None, window_chars: int = WINDOW_CHARS,
 ) -> list[Hit]:
-    """Fused search. `report`, when given, receives per-stage timings (ms) and notes on signals that could not run."""
+    """Fused search. `report`, when given, receives per-stage timings (ms) and notes on signals that could not run;
+    an evidence hit shows at most `window_chars` of its step (`search/windows.py`)."""
     started = time.perf_counter()
     active = resolve_weights(mode, weights)
     knobs = resolve_tuning(tuning)
@@ -473,7 +474,7 @@ async def search_hits(
             cited.update((e, hit) for e in (*mine, *(e for e, h in cited.items() if h is holder)))
         else:
             holder.memory.setdefault("collapsed", []).append(memory_id)
-    await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query)
+    await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query, window_chars)
     timings["fuse_ms"] = _ms(t)
     timings["total_ms"] = _ms(started)
     if report is not None:
@@ -489,7 +490,7 @@ def _ms(started: float) -> float:
 
 
 async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, Any],
-                        sources: Mapping[int, tuple[int, ...]], query: str) -> None:
+                        sources: Mapping[int, tuple[int, ...]], query: str, budget: int) -> None:
     """Each evidence hit shows the windows of its whole step that match the query (`search/windows.py`)."""
     if not any(hit.memory["kind"] == "evidence" for hit in hits):
         return  # the common case of the hook's keyword recall: nothing to stem, nothing to read
@@ -508,8 +509,8 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
             " AND m.kind = 'evidence' AND m.archived_at IS NULL", (events[0],))
         parts = sorted((json.loads(r["meta"] or "{}").get("part", 0), r["text"]) for r in rows
                        if passage_head(r["meta"]) == head)
-        if len(parts) > 1:
-            hit.memory["text"] = best_windows(head, merge_passages(head, [text for _, text in parts]), holds)
+        if len(parts) > 1 or len(hit.memory["text"]) > budget:
+            hit.memory["text"] = best_windows(head, merge_passages(head, [text for _, text in parts]), holds, budget)
 
 
 def _near(a: frozenset[str], b: frozenset[str]) -> bool:

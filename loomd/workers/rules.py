@@ -7,6 +7,7 @@ left open. Observations are anchored on new steps only; earlier steps (the conte
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from loomd.ingest.reading import (
     test_summary,
     tick,
 )
-from loomd.ingest.sentences import ACK, classify_user_sentence, sentences, user_sentences
+from loomd.ingest.sentences import ACK, classify_user_sentence, clean_user_text, sentences, user_sentences
 from loomd.workers.steps import Observation, SourceEvent, Step, to_steps
 from loomd.workers.text import FILLER, classify_assistant_sentence, content_words, jaccard, summary_sentence
 
@@ -43,6 +44,11 @@ TYPES = ("constraint", "preference", "goal", "decision", "finding", "progress", 
 IMPORTANCE = {"constraint": 0.9, "preference": 0.85, "decision": 0.7, "pitfall": 0.75, "procedure": 0.65,
               "finding": 0.6, "blocker": 0.6, "todo": 0.6, "goal": 0.55, "error": 0.5, "progress": 0.4, "topic": 0.3}
 
+
+
+# The words a user typed when rejecting a tool call, as Claude Code quotes them in the call's result.
+_USER_SAID = re.compile(r"the user said:\s*\n(.+?)(?:\n\s*\nNote: The user's next message|\Z)",
+                        re.IGNORECASE | re.DOTALL)
 
 
 _COMPACT_SECTIONS = {
@@ -139,15 +145,23 @@ class RuleObserver:
             if brief:
                 self.emit("goal", f"Subagent task: {' '.join(brief[:2])}", step, lane=step.lane)
             return
+        self.user_voice(step.text, step, "User asked")
+
+    def user_voice(self, text: str, step: Step, lead: str) -> None:
+        """The human user's own words (a prompt, the words given with a rejected call, a note on an answer):
+        sentences that state a rule or a preference as such, and what they asked for in their words."""
+        found = user_sentences(text)
         classified = 0
         for sentence in found:
             kind = classify_user_sentence(sentence)
             if kind:
                 classified += 1
                 self.emit(kind, sentence, step, by="user")
-        cleaned = " ".join(found)
-        if len(cleaned.split()) >= 5 and not ACK.match(cleaned) and classified < len(found):
-            self.emit("goal", f"User asked: {cleaned}", step)
+        # The whole text, not only its sentences: a long run-on prompt is one "sentence" too long to classify, and
+        # still what the user asked for.
+        words = " ".join(clean_user_text(text).split())
+        if len(words.split()) >= 5 and not ACK.match(words) and (classified < len(found) or not found):
+            self.emit("goal", f"{lead}: {words}", step, by="user")
 
     def on_assistant(self, step: Step, lane: _Lane) -> None:
         if lane.awaiting_why is not None:
@@ -248,6 +262,9 @@ class RuleObserver:
             for question, answer in re.findall(r'"([^"]{5,300})"="([^"]{1,200})"', step.text):
                 self.emit("decision", f'User chose "{answer}" for: {question}', step, by="user")
             return
+        if tool == "request_user_input":
+            self.on_answers(step)
+            return
         if tool == "ExitPlanMode":
             if re.search(r"User has approved your plan", step.text):
                 plan = str(step.tool_input.get("plan") or "")
@@ -280,7 +297,35 @@ class RuleObserver:
             if line:
                 self.emit("error", f"{tool} failed: {line}", step, tool=tool)
 
+    def on_answers(self, step: Step) -> None:
+        """Codex's questions to the user: each choice with its question and the option's own words, and the notes
+        the user typed beside an option in their own voice."""
+        questions = step.tool_input.get("questions")
+        asked = {str(q.get("id")): q for q in (questions if isinstance(questions, list) else []) if isinstance(q, dict)}
+        try:
+            answers = json.loads(step.text).get("answers")
+        except (ValueError, AttributeError):
+            return
+        for qid, entry in (answers.items() if isinstance(answers, dict) else ()):
+            picked = entry.get("answers") if isinstance(entry, dict) else None
+            question = asked.get(str(qid), {})
+            options = {str(o.get("label")): str(o.get("description") or "")
+                       for o in question.get("options") or [] if isinstance(o, dict)}
+            for answer in picked if isinstance(picked, list) else []:
+                answer = str(answer)
+                if answer.startswith("user_note:"):
+                    if step.lane == "main":
+                        self.user_voice(answer.removeprefix("user_note:"), step, "User noted")
+                    continue
+                what = f": {clip(options[answer], 60)}" if options.get(answer) else ""
+                about = question.get("question") or question.get("header") or qid
+                self.emit("decision", f'User chose "{answer}{what}" for: {about}', step, by="user")
+
     def on_rejected(self, step: Step, lane: _Lane) -> None:
+        said = _USER_SAID.search(step.text)
+        if said and step.lane == "main":
+            # Claude Code hands the user's words given with a rejection back to the agent inside the result.
+            self.user_voice(said.group(1), step, f"User said instead of {step.tool or 'the call'}")
         if lane.rejected is None and "right now" not in step.text[:200]:
             lane.rejected, lane.rejected_left = step, 6
 
