@@ -557,7 +557,7 @@ def test_bad_daemon_answers_spool(home: Path, behaviour: Behaviour) -> None:
     assert_quiet(proc)
     assert only_spooled(home)["eid"] == daemon.requests[0]["args"]["eid"]
     if behaviour is error_reply:
-        assert "'busy'" in (home / "hook.log").read_text()
+        assert "error reply busy: full" in (home / "hook.log").read_text()
 
 
 # ---------------------------------------------------------------- the shim's pieces against msgpack and config
