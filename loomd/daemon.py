@@ -17,6 +17,7 @@ import errno
 import fcntl
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -188,10 +189,11 @@ class Daemon:
             self._take_lock(paths.data_dir / "loomd.lock")
         except UntrustedPath as exc:
             raise StartupError(str(exc)) from None
-        except OSError as exc:  # an unwritable home, a file where a folder belongs: say which, and how to fix it
-            where = exc.filename or paths.data_dir
-            raise StartupError(f"cannot use {where}: {exc.strerror or exc}; fix: make it a folder you own and "
-                               f"can write (chmod u+rwx {where}), or point LOOMD_HOME elsewhere") from None
+        except OSError as exc:  # an unwritable home: say which folder, and how to fix it
+            what = Path(exc.filename) if exc.filename else paths.data_dir / "loomd.lock"
+            raise StartupError(f"cannot use {what.parent}: creating {what.name} failed: {exc.strerror or exc}; "
+                               f"fix: chmod u+rwx {shlex.quote(str(what.parent))}  # or set LOOMD_HOME to a folder "
+                               "of yours") from None
 
     def _take_lock(self, path: Path) -> None:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
