@@ -123,14 +123,17 @@ class Spool:
         self.last_error: str | None = None
         self._last_backlog = 0
         self._stuck: set[str] = set()  # files that could be neither read nor moved: skipped, reported
-        self._identity: tuple[int, int] | None = None
+        self._identity: tuple[int, int, int] | None = None
         self._lock = asyncio.Lock()
 
     def prepare(self) -> None:
         """Create the folder 0700, or check the one there (UntrustedPath for a symlink or another user's folder)."""
         make_private_dir(self.dir)
+        self._identity = self._identify()
+
+    def _identify(self) -> tuple[int, int, int]:
         st = os.lstat(self.dir)
-        self._identity = (st.st_dev, st.st_ino)
+        return st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)  # the type too: a freed inode is soon reused
 
     def pending(self) -> list[Path]:
         """Complete spool files and orphaned temporary ones, oldest name first; [] (and last_error) if unlistable."""
@@ -270,13 +273,13 @@ class Spool:
         log.warning("quarantined spool file %s in %s: %s", path.name, self.quarantine, why)
         return 1
 
-    def _check_folder(self) -> None:
+    def _check_folder(self, changes: set[tuple[watchfiles.Change, str]]) -> None:
         """Raise SpoolReplaced if the folder being watched is gone or is another one now."""
         try:
-            st = os.lstat(self.dir)
+            identity = self._identify()
         except FileNotFoundError:
             raise SpoolReplaced(f"{self.dir} is gone") from None
-        if (st.st_dev, st.st_ino) != self._identity:
+        if identity != self._identity or (watchfiles.Change.deleted, str(self.dir)) in changes:
             raise SpoolReplaced(f"{self.dir} was replaced while loomd watched it")
 
     async def watch(self, stop: asyncio.Event) -> None:
@@ -289,8 +292,8 @@ class Spool:
         await self.replay()
         watcher = watchfiles.awatch(self.dir, stop_event=stop, debounce=50, step=20, rust_timeout=int(RETRY_S * 1000),
                                     yield_on_timeout=True, recursive=False)
-        async for _changes in watcher:
-            self._check_folder()
+        async for changes in watcher:
+            self._check_folder(changes)
             # Keep going while each pass makes progress (a busy writer pauses a pass, it does not stop it);
             # a pass that ingests nothing (a locked or full disk) waits for the next file or tick.
             while self.backlog():
