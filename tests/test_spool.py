@@ -25,7 +25,9 @@ from conftest import DaemonProcess, drop_dac_capabilities, serving
 from secret_corpus import ANTHROPIC, GITHUB_PAT
 
 from loomd.client import AsyncClient, Client
+from loomd.config import load_config
 from loomd.daemon import Daemon
+from loomd.installer.doctor import run_checks
 
 SHIM = Path(__file__).resolve().parents[1] / "shims" / "loom-hook"
 
@@ -148,6 +150,24 @@ async def test_a_file_stays_until_its_event_is_committed(
     await until(lambda: not path.exists(), within_s=20)
     assert await kinds(client, "sp-locked") == ["PreCompact"]
     assert not (home / "spool" / "rejected").exists()
+
+
+async def test_a_stuck_spool_is_a_doctor_fail(
+    locked_db: subprocess.Popen[str], daemon: Daemon, client: AsyncClient, home: Path
+) -> None:
+    """A backlog that does not shrink while the daemon runs used to read "OK spool N waiting"."""
+    path = publish(home / "spool", "stuck", shim_spool("PreCompact", "sp-stuck", trigger="auto"))
+    await asyncio.sleep(1.5)  # a pass tried to commit it and paused
+    ten_minutes_ago = time.time() - 600
+    os.utime(path, (ten_minutes_ago, ten_minutes_ago))
+    env = {**os.environ, "LOOMD_HOME": str(home)}
+    found = {f.name: f for f in await asyncio.to_thread(run_checks, load_config(env), env)}
+    finding = found["spool"]
+    assert finding.status == "FAIL" and "stuck: 1 events wait" in finding.detail, finding
+    assert "the oldest for 10 min" in finding.detail and "replay paused" in finding.detail, finding
+    assert "systemctl --user restart loomd" in finding.fix or "launchctl kickstart" in finding.fix, finding
+    spool_status = (await client.call("status"))["spool"]
+    assert spool_status["oldest_waiting_s"] >= 600 and "replay paused" in spool_status["last_error"], spool_status
 
 
 @pytest.fixture
