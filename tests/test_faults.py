@@ -72,7 +72,8 @@ for i in range(cfg["n"]):
     except BaseException as exc:
         call_s = time.monotonic() - start
         text = repr(exc)
-        key = "busy" if "'busy'" in text else "storage" if "'storage'" in text else type(exc).__name__
+        key = "busy" if "error reply busy" in text else "storage" if "error reply storage" in text \
+            else type(exc).__name__
         cause = key
         why[key] = why.get(key, 0) + 1
         first.setdefault(key, text[:400])
