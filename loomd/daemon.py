@@ -143,9 +143,11 @@ class Daemon:
         # Replay groups share a commit; a quarter of the writer's queue leaves room for live hooks.
         self.spool = Spool(paths.spool, self._ingest_spooled, batch=min(32, self.config.max_inflight // 4))
         try:
-            self.spool.prepare()
+            self.spool.prepare()  # checked in _claim_folders; created here, checked again against a race
         except UntrustedPath as exc:
             raise StartupError(str(exc)) from None
+        except OSError as exc:
+            raise StartupError(f"cannot create {paths.spool}: {exc.strerror or exc}") from None
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime))
