@@ -242,15 +242,23 @@ def check_spool_temp(c: Checkup) -> Finding:
                 f"rm -f {shlex.quote(str(spool))}/.tmp-*  # loomd could not read them; see loom status --json")
 
 
-def check_tasks(c: Checkup) -> Finding:
-    """The daemon's background tasks (spool watcher, tailer, embeddings): failing now is a FAIL."""
-    name = "background tasks"
+def _reported(c: Checkup, name: str, key: str, what: str) -> dict[str, Any] | Finding:
+    """`status[key]` of the running daemon, or the WARN saying why there is none."""
     status = c.status()
     if status is None:
         return warn(name, "unknown: the daemon is not running", _start_fix())
-    tasks = status.get("tasks")
-    if not isinstance(tasks, dict):
-        return warn(name, "the daemon does not report its background tasks", "upgrade loomd and restart the daemon")
+    value = status.get(key)
+    if not isinstance(value, dict):
+        return warn(name, f"the daemon does not report its {what}", "upgrade loomd and restart the daemon")
+    return value
+
+
+def check_tasks(c: Checkup) -> Finding:
+    """The daemon's background tasks (spool watcher, tailer, embeddings): failing now is a FAIL."""
+    name = "background tasks"
+    tasks = _reported(c, name, "tasks", "background tasks")
+    if isinstance(tasks, Finding):
+        return tasks
     down = {n: t for n, t in tasks.items() if t.get("state") == "backoff"}
     recent = {n: t for n, t in tasks.items() if t.get("failures") and
               time.time() - float(t.get("last_failed_at") or 0) < TASK_RECENT_S}
@@ -267,12 +275,9 @@ def check_tasks(c: Checkup) -> Finding:
 
 def check_tailers(c: Checkup) -> Finding:
     name = "transcript tailers"
-    status = c.status()
-    if status is None:
-        return warn(name, "unknown: the daemon is not running", _start_fix())
-    t = status.get("tailers")
-    if not isinstance(t, dict):
-        return warn(name, "the daemon does not report its tailers", "upgrade loomd and restart the daemon")
+    t = _reported(c, name, "tailers", "tailers")
+    if isinstance(t, Finding):
+        return t
     if not t.get("enabled", True):
         return warn(name, "transcript tailing is off (tail_transcripts = false)",
                     "set tail_transcripts = true to fill in what hooks do not carry")
