@@ -138,11 +138,13 @@ class Spool:
     def pending(self) -> list[Path]:
         """Complete spool files and orphaned temporary ones, oldest name first; [] (and last_error) if unlistable."""
         now = time.time()
+        stuck: set[str] = set()
         try:
             with os.scandir(self.dir) as entries:
                 found = []
                 for entry in entries:
                     if entry.name in self._stuck:
+                        stuck.add(entry.name)
                         continue
                     if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
                         found.append(Path(entry.path))
@@ -153,7 +155,8 @@ class Spool:
         except OSError as exc:  # EMFILE under a flood of connections, a folder made unreadable: retry next tick
             self._failed(f"cannot list {self.dir}: {exc.strerror or exc}")
             return []
-        self._last_backlog = len(found) + len(self._stuck)
+        self._stuck = stuck  # one the user removed is no longer waiting; the rest are retried after a restart
+        self._last_backlog = len(found) + len(stuck)
         return sorted(found, key=lambda p: p.name.removeprefix(TEMP_PREFIX))
 
     @staticmethod
