@@ -965,6 +965,16 @@ def test_hook_log_is_never_written_through_a_symlink_nor_with_raw_daemon_text(ho
     assert list(scratch.iterdir()) == []
 
 
+def test_a_fifo_planted_as_hook_log_does_not_hold_the_hook(home: Path) -> None:
+    """Opening a FIFO for writing waits for a reader: the log is opened O_NONBLOCK, so the hook does not hang."""
+    os.mkfifo(home / "hook.log", 0o600)
+    with FakeDaemon(home, error_reply):
+        proc, elapsed = run(home, "Stop")
+    assert_quiet(proc)
+    assert elapsed < 1.0 + MARGIN_S, elapsed
+    assert len(spooled(home)) == 1
+
+
 def test_hook_log_records_refused_connections_and_timeouts(home: Path) -> None:
     """A stale socket (nobody listening) and a daemon that never answers used to leave no trace in hook.log; now
     each is one line, and the event is spooled."""

@@ -157,7 +157,7 @@ def check_permissions(c: Checkup) -> Finding:
     p = c.config.paths
     checks = [(p.data_dir, "directory"), (p.state_dir, "directory"), (p.socket.parent, "directory"),
               (p.db, "file"), (p.socket, "socket"), (p.spool, "directory"), (p.spool / "rejected", "directory"),
-              (p.spool / "quarantine", "directory")]
+              (p.spool / "quarantine", "directory"), (p.state_dir / "hook.log", "file")]
     for path, kind in dict.fromkeys(checks):
         problem = problem_with(path, kind, forbidden_mode=0o077)  # the daemon refuses writable; yours alone is best
         if problem:
