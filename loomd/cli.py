@@ -60,8 +60,21 @@ def status(as_json: bool) -> None:
                 f"db {s['db']} ({s['db_bytes'] / 1e6:.1f} MB): {c['events']} events, {c['sessions']} sessions, "
                 f"{c['memories']} memories ({c['archived']} archived)\n"
                 f"spool backlog {s['spool_backlog']}, queue depth {s['queue_depth']}, "
-                f"embedder {s['embedder'].get('provider')}")
+                f"embedder {s['embedder'].get('provider')}" + _health(s))
     _emit(data, as_json, human)
+
+
+def _health(s: dict[str, Any]) -> str:
+    """The background tasks, and what the spool set aside, when there is something to say."""
+    tasks = s.get("tasks") or {}
+    lines = [f"\ntask {name} {t['state']}: {t['failures']} failure(s), last: {t['last_error']}"
+             for name, t in sorted(tasks.items()) if t.get("failures")]
+    spool = s.get("spool") or {}
+    aside = {k: spool.get(k) for k in ("quarantined", "rejected", "temp_reaped") if spool.get(k)}
+    if aside or spool.get("last_error"):
+        lines.append(f"\nspool: {', '.join(f'{v} {k}' for k, v in aside.items()) or 'nothing set aside'}"
+                     + (f"; {spool['last_error']}" if spool.get("last_error") else ""))
+    return "".join(lines)
 
 
 @main.command()

@@ -17,11 +17,11 @@ import errno
 import fcntl
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
 import time
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ from loomd.search.retrieval import Hit, SearchContext, search_hits
 from loomd.server import Server
 from loomd.store.db import Store
 from loomd.store.memories import MemoryWriter
+from loomd.supervisor import Supervisor
+from loomd.trust import UntrustedPath, make_private_dir, require_trusted
 from loomd.vectors.service import VectorService
 from loomd.workers.scheduler import Scheduler
 
@@ -102,7 +104,7 @@ class Daemon:
         self.tailer: Tailer | None = None
         self.scheduler: Scheduler | None = None
         self.ops: Ops | None = None
-        self._tasks: list[asyncio.Task[Any]] = []
+        self.supervisor = Supervisor(self.should_exit)
         self._lock_fd: int | None = None
         self._owns_socket = False
 
@@ -111,11 +113,9 @@ class Daemon:
     async def startup(self) -> None:
         os.umask(0o077)  # every file and folder we create is the owner's alone, whatever umask we inherited
         paths = self.config.paths
-        for directory in {paths.data_dir, paths.state_dir, paths.runtime_dir}:
-            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._take_lock(paths.data_dir / "loomd.lock")
+        self._claim_folders()
         if self.listen_sock is None:
-            if self.socket_path.exists() or self.socket_path.is_symlink():
+            if self.socket_path.exists():
                 if socket_is_live(self.socket_path):
                     raise StartupError(f"another loomd is already listening on {self.socket_path}")
                 log.info("removing stale socket %s", self.socket_path)
@@ -142,7 +142,12 @@ class Daemon:
         await self.scheduler.start()
         # Replay groups share a commit; a quarter of the writer's queue leaves room for live hooks.
         self.spool = Spool(paths.spool, self._ingest_spooled, batch=min(32, self.config.max_inflight // 4))
-        self.spool.prepare()
+        try:
+            self.spool.prepare()  # checked in _claim_folders; created here, checked again against a race
+        except UntrustedPath as exc:
+            raise StartupError(str(exc)) from None
+        except OSError as exc:
+            raise StartupError(f"cannot create {paths.spool}: {exc.strerror or exc}") from None
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime))
@@ -158,11 +163,39 @@ class Daemon:
         else:
             await self.server.start(path=str(self.socket_path))
             self._owns_socket = True
-        self.spawn(self.spool.watch(self.should_exit), "spool")
-        self.spawn(self.vectors.run(self.should_exit), "embeddings")
-        self.spawn(self.tailer.run(self.should_exit), "tailer")
+        spool, tailer = self.spool, self.tailer
+        self.supervisor.start("spool", lambda: spool.watch(self.should_exit))
+        self.supervisor.start("embeddings", lambda: self.vectors.run(self.should_exit))
+        self.supervisor.start("tailer", lambda: tailer.run(self.should_exit))
         log.info("loomd %s listening on %s (db %s)", __version__, self.socket_path, paths.db)
         sd_notify("READY=1\nSTATUS=serving")
+
+    def _claim_folders(self) -> None:
+        """Create or check our folders, then take the lock; refuse (exit 3) what another user placed or may change.
+
+        Nothing of ours is trusted that is a symlink, belongs to another user or is writable by others: a shared
+        LOOMD_HOME would let them swap the socket for their own listener, or plant files we write through.
+        """
+        paths = self.config.paths
+        spool = paths.spool
+        try:
+            for directory in dict.fromkeys((paths.data_dir, paths.state_dir, paths.runtime_dir)):
+                make_private_dir(directory)
+            for directory in (spool, spool / "rejected", spool / "quarantine"):
+                require_trusted(directory, "directory")
+            for path in (paths.db, paths.db.with_name(paths.db.name + "-wal"),
+                         paths.db.with_name(paths.db.name + "-shm"), paths.data_dir / "loomd.lock"):
+                require_trusted(path, "file")
+            if self.listen_sock is None:
+                require_trusted(self.socket_path, "socket")
+            self._take_lock(paths.data_dir / "loomd.lock")
+        except UntrustedPath as exc:
+            raise StartupError(str(exc)) from None
+        except OSError as exc:  # an unwritable home: say which folder, and how to fix it
+            what = Path(exc.filename) if exc.filename else paths.data_dir / "loomd.lock"
+            raise StartupError(f"cannot use {what.parent}: creating {what.name} failed: {exc.strerror or exc}; "
+                               f"fix: chmod u+rwx {shlex.quote(str(what.parent))}  # or set LOOMD_HOME to a folder "
+                               "of yours") from None
 
     def _take_lock(self, path: Path) -> None:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
@@ -177,15 +210,6 @@ class Daemon:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        task.add_done_callback(self._task_done)
-        self._tasks.append(task)
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task %s failed: %r", task.get_name(), task.exception())
 
     async def serve(self) -> None:
         try:
@@ -227,9 +251,7 @@ class Daemon:
             await self.scheduler.stop()
         if hasattr(self, "planner"):
             await self.planner.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.supervisor.cancel()
         await self._close_resources()
         log.info("stopped")
 
@@ -266,6 +288,7 @@ class Daemon:
         return {
             "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 3), "socket": str(self.socket_path),
             "spool_backlog": self.spool.backlog() if self.spool else 0,
+            "spool": self.spool.status() if self.spool else None, "tasks": self.supervisor.status(),
             "inflight": len(self.server.inflight) if self.server else 0,
             "embedder": self.vectors.status(), "tailer": tailer,
         }

@@ -44,8 +44,8 @@ class Services:
     planner: Planner
     search: Callable[[], SearchContext]
     scheduler: Scheduler
-    # The running daemon's own facts for `status`: pid, uptime, socket, spool backlog, in-flight requests,
-    # embedder and tailer state.
+    # The running daemon's own facts for `status`: pid, uptime, socket, spool backlog and spool health, in-flight
+    # requests, embedder and tailer state, and the health of each background task.
     runtime: Callable[[], dict[str, Any]]
 
 
@@ -78,7 +78,7 @@ class Ops:
             "counts": await self._counts(), "spool_backlog": run["spool_backlog"],
             "queue_depth": self.s.writer.depth, "inflight": run["inflight"],
             "embedder": run["embedder"], "versions": await self.s.store.versions(),
-            "tailer": run["tailer"], "tailers": run["tailer"],
+            "tailer": run["tailer"], "tailers": run["tailer"], "spool": run["spool"], "tasks": run["tasks"],
         }
 
     async def _counts(self) -> dict[str, int]:

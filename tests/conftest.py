@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -132,12 +133,28 @@ async def store(home: Path) -> AsyncIterator[Store]:
     await s.close()
 
 
+PR_CAPBSET_DROP = 24
+CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
+
+
+def drop_dac_capabilities() -> None:
+    """In the child before exec: as root, give up the override of file modes, so a 0500 folder is unwritable."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
 class DaemonProcess:
     """`python -m loomd serve` as a real child process, for signal, crash and fault tests."""
 
-    def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, home: Path, env: dict[str, str] | None = None,
+                 preexec_fn: Callable[[], None] | None = None) -> None:
         self.home = home
         self.env = {**os.environ, "LOOMD_HOME": str(home), **(env or {})}
+        self.preexec_fn = preexec_fn  # e.g. drop root's override of file modes, or lower the fd limit
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = home / "daemon.log"
 
@@ -148,7 +165,8 @@ class DaemonProcess:
     def start(self, wait: bool = True) -> DaemonProcess:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "loomd", "serve"], env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, cwd=REPO)
+                                         stderr=subprocess.STDOUT, cwd=REPO,
+                                         preexec_fn=self.preexec_fn)  # noqa: PLW1509
         if wait:
             self.wait_ready()
         return self
@@ -178,8 +196,8 @@ class DaemonProcess:
 def daemon_process(home: Path) -> Iterator[DaemonProcess]:
     procs: list[DaemonProcess] = []
 
-    def make(env: dict[str, str] | None = None) -> DaemonProcess:
-        p = DaemonProcess(home, env)
+    def make(env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None) -> DaemonProcess:
+        p = DaemonProcess(home, env, preexec_fn)
         procs.append(p)
         return p
 

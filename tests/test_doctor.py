@@ -19,9 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
-from conftest import REPO
+from conftest import REPO, serving
+from test_spool import shim_spool
 
+from loomd.client import AsyncClient
 from loomd.config import load_config
 from loomd.daemon import Daemon
 from loomd.installer import agents as install
@@ -311,3 +314,42 @@ async def test_normal_worker_outcomes_are_not_failures(daemon: Daemon, user_home
                          ("digest", time.time() - 60, time.time() - 59, "interrupted", "the daemon stopped"))
     found = await checks(user_home)
     assert_status(found, "workers", "WARN", "digest", "interrupted")
+
+
+async def test_orphan_temp_files_and_quarantined_files_are_reported_with_fixes_that_work(
+    home: Path, user_home: Path, sock_path: Path
+) -> None:
+    spool = load_config().paths.spool
+    spool.mkdir(parents=True, mode=0o700)
+    orphan_data = shim_spool("Stop", "dr-orphan")
+    orphan = spool / f".tmp-{msgpack.unpackb(orphan_data)['eid']}"
+    orphan.write_bytes(orphan_data)  # a shim killed between writing and renaming
+    two_minutes_ago = time.time() - 120
+    os.utime(orphan, (two_minutes_ago, two_minutes_ago))
+    found = await checks(user_home)
+    assert_status(found, "spool temp files", "WARN", "1 temporary file", "unredacted", "loomd")
+    quarantine = spool / "quarantine"
+    quarantine.mkdir(mode=0o700)
+    held_data = shim_spool("Stop", "dr-held")
+    held = quarantine / f"{msgpack.unpackb(held_data)['eid']}.msgpack"
+    held.write_bytes(held_data)
+    os.chown(held, 65534, 65534)  # written by a hook run as another user (under sudo, say)
+    found = await checks(user_home)
+    spool_finding = assert_status(found, "spool", "WARN", "1 file(s) in", "sudo chown")
+    command = spool_finding.fix.split("  #", 1)[0]
+    if os.geteuid() == 0:
+        command = command.replace("sudo ", "")  # root already; sudo is not installed here
+    await asyncio.to_thread(subprocess.run, ["sh", "-c", command], check=True, timeout=30)
+    assert list(quarantine.iterdir()) == [] and (spool / held.name).exists()
+    async with serving(sock_path):  # the other fix: a running daemon takes the orphan in
+        for _ in range(600):
+            if not orphan.exists() and not (spool / held.name).exists():
+                break
+            await asyncio.sleep(0.05)
+        found = await checks(user_home)
+        async with AsyncClient(sock_path) as client:
+            for session in ("dr-orphan", "dr-held"):
+                events = (await client.call("events", {"session_id": session, "limit": 5}))["events"]
+                assert [e["kind"] for e in events] == ["Stop"], session
+    assert_status(found, "spool temp files", "OK")
+    assert_status(found, "spool", "OK")

@@ -8,7 +8,6 @@ events are needed, worker processes that import the shim's own module and run it
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, DaemonProcess
+from conftest import REPO, DaemonProcess, drop_dac_capabilities
 
 from loomd.client import Client
 from loomd.store.db import connect_sync
@@ -73,7 +72,8 @@ for i in range(cfg["n"]):
     except BaseException as exc:
         call_s = time.monotonic() - start
         text = repr(exc)
-        key = "busy" if "'busy'" in text else "storage" if "'storage'" in text else type(exc).__name__
+        key = "busy" if "error reply busy" in text else "storage" if "error reply storage" in text \
+            else type(exc).__name__
         cause = key
         why[key] = why.get(key, 0) + 1
         first.setdefault(key, text[:400])
@@ -487,20 +487,6 @@ def test_corrupt_database_refuses_to_start_and_is_never_touched(
 
 
 # ---------------------------------------------------------------- the spool folder cannot be written
-
-
-PR_CAPBSET_DROP = 24
-CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
-
-
-def drop_dac_capabilities() -> None:
-    """In the child before exec: as root, give up the override of file modes, so a 0500 folder is unwritable."""
-    if os.geteuid() != 0:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
-        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
 @pytest.mark.parametrize("daemon", ["down", "stalled"])

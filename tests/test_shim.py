@@ -557,7 +557,7 @@ def test_bad_daemon_answers_spool(home: Path, behaviour: Behaviour) -> None:
     assert_quiet(proc)
     assert only_spooled(home)["eid"] == daemon.requests[0]["args"]["eid"]
     if behaviour is error_reply:
-        assert "'busy'" in (home / "hook.log").read_text()
+        assert "error reply busy: full" in (home / "hook.log").read_text()
 
 
 # ---------------------------------------------------------------- the shim's pieces against msgpack and config
@@ -844,3 +844,150 @@ def test_module_stays_importable_by_python_3_9(shim: ModuleType) -> None:
                 assert not unions, f"{node.name}: quote the annotation {ast.unparse(annotation)!r}"
         if isinstance(node, ast.Call):
             assert not any(k.arg == "strict" for k in node.keywords), "zip(strict=...) needs Python 3.10"
+
+
+# ---------------------------------------------------------------- trust: another user's socket, log, daemon text
+
+
+NOBODY = 65534
+SECRET = "sk-ant-api03-" + "Qx7" * 30 + "AA"  # what a hijacker wants: a key in a hook payload
+
+
+def listener_of_nobody(path: Path, bind_as_root: bool) -> tuple[int, int]:
+    """A forked child listening at `path` as uid nobody, writing b"C" per connection and every byte it receives to
+    a pipe; (pid, read end). With `bind_as_root` the file is bound by root (so it is root's) before the child drops
+    to nobody and listens: only the listener's credentials (SO_PEERCRED) then say who is there."""
+    read_end, write_end = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the other user
+        try:
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if bind_as_root:
+                server.bind(str(path))
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            if not bind_as_root:
+                server.bind(str(path))
+            server.listen(8)
+            server.settimeout(0.1)
+            os.write(ready_w, b"ready")
+            while True:
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                os.write(write_end, b"C")
+                conn.settimeout(2)
+                try:
+                    while chunk := conn.recv(1 << 16):
+                        os.write(write_end, chunk)
+                except OSError:
+                    pass
+                conn.close()
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.close(ready_w)
+    assert os.read(ready_r, 5) == b"ready"
+    os.close(ready_r)
+    return pid, read_end
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+@pytest.mark.parametrize("bind_as_root", [False, True], ids=["socket-file-of-nobody", "listener-of-nobody"])
+def test_no_frame_reaches_a_listener_of_another_user(home: Path, bind_as_root: bool) -> None:
+    """In a LOOMD_HOME others may write, `nobody` replaced loomd.sock with its own listener and received the raw,
+    unredacted hook frames. Now the shim sends nothing to a socket file that is not its user's, nor to a listener of
+    another uid (SO_PEERCRED): the event goes to the spool, and hook.log says why."""
+    os.chmod(home, 0o777)
+    payload = json.dumps({"session_id": "s", "hook_event_name": "UserPromptSubmit", "prompt": f"key {SECRET}"})
+    pid, heard = listener_of_nobody(home / "loomd.sock", bind_as_root)
+    try:
+        proc, _ = run(home, "UserPromptSubmit", stdin=payload.encode())
+        time.sleep(0.3)  # let the listener pass on whatever it got
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    received = b""
+    while chunk := os.read(heard, 1 << 20):
+        received += chunk
+    os.close(heard)
+    assert_quiet(proc)
+    assert SECRET.encode() not in received and received in (b"", b"C"), received[:200]
+    assert only_spooled(home)["raw"] == payload.encode()
+    [line] = (home / "hook.log").read_text().splitlines()
+    assert "refused" in line and f"uid {NOBODY}" in line and "spooled" in line, line
+
+
+def error_saying(message: str) -> Behaviour:
+    def behaviour(conn: socket.socket, request: dict) -> None:
+        conn.sendall(frame({"v": 1, "id": request["id"], "ok": False, "error": {"code": "busy", "message": message}}))
+
+    return behaviour
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_hook_log_is_never_written_through_a_symlink_nor_with_raw_daemon_text(home: Path, tmp_path: Path) -> None:
+    """`nobody` planted hook.log as a symlink to a file of the victim's, and a daemon's error text `$(…)` was
+    appended there as it came: sourcing the file ran it. Now the shim writes hook.log only as a regular file of its
+    own user (O_NOFOLLOW, fstat) and escapes outside text, so the log holds one inert line per event."""
+    os.chmod(home, 0o777)
+    victim = tmp_path / "victim.rc"
+    victim.write_text("# the victim's shell file\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    hostile = f"$(touch {scratch}/pwned1)\n`touch {scratch}/pwned2`; touch {scratch}/pwned3 #'\"\x1b[2J"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the other user plants the link
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.symlink(victim, home / "hook.log")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert (home / "hook.log").is_symlink()
+    with FakeDaemon(home, error_saying(hostile)):
+        proc, _ = run(home, "Stop")
+    assert_quiet(proc)
+    assert victim.read_text() == "# the victim's shell file\n"
+    (home / "hook.log").unlink()
+    (home / "loomd.sock").unlink()  # the fake daemon's socket file stays after it closes
+    with FakeDaemon(home, error_saying(hostile)):
+        proc, _ = run(home, "Stop")
+    assert_quiet(proc)
+    log = (home / "hook.log").read_text()
+    [line] = log.splitlines()
+    assert "error reply busy: " in line and "touch" in line, line
+    assert not set("$`;'\"\x1b") & set(line.split("error reply busy: ", 1)[1]), line
+    subprocess.run(["sh", str(home / "hook.log")], cwd=scratch, capture_output=True, timeout=30)
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_fifo_planted_as_hook_log_does_not_hold_the_hook(home: Path) -> None:
+    """Opening a FIFO for writing waits for a reader: the log is opened O_NONBLOCK, so the hook does not hang."""
+    os.mkfifo(home / "hook.log", 0o600)
+    with FakeDaemon(home, error_reply):
+        proc, elapsed = run(home, "Stop")
+    assert_quiet(proc)
+    assert elapsed < 1.0 + MARGIN_S, elapsed
+    assert len(spooled(home)) == 1
+
+
+def test_hook_log_records_refused_connections_and_timeouts(home: Path) -> None:
+    """A stale socket (nobody listening) and a daemon that never answers used to leave no trace in hook.log; now
+    each is one line, and the event is spooled."""
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(home / "loomd.sock"))
+    stale.close()
+    proc, _ = run(home, "Stop")
+    assert_quiet(proc)
+    (home / "loomd.sock").unlink()
+    with FakeDaemon(home, never_reply):
+        proc, _ = run(home, "PostToolUse", env=shim_env(home, LOOMD_ACK_DEADLINE_MS="300"))
+    assert_quiet(proc)
+    refused, timed_out = (home / "hook.log").read_text().splitlines()
+    assert "event=Stop" in refused and "connection refused" in refused and "spooled" in refused, refused
+    assert "event=PostToolUse" in timed_out and "timed out after 300 ms" in timed_out, timed_out
+    assert len(spooled(home)) == 2

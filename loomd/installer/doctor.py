@@ -8,7 +8,6 @@ import platform
 import re
 import shlex
 import shutil
-import stat
 import subprocess
 import sys
 import time
@@ -25,10 +24,14 @@ from loomd.errors import LoomdError
 from loomd.installer import services
 from loomd.installer.plugin import PINNED_PYTHON, PREAMBLE
 from loomd.store.db import connect_sync
+from loomd.trust import problem_with, user_name
 
 HOOK_MARKERS = ("loom-hook", "loom_hook")
 DAY_S = 86_400
 STALE_RUNNING_S = 3_600  # a job still 'running' after an hour died with its daemon
+SPOOL_STUCK_S = 300  # a spool file this old while the daemon runs: the replay is not getting through
+ORPHAN_TEMP_S = 60  # the daemon's ingest/spool.py ORPHAN_AGE_S: a .tmp-* file older than this is a killed shim's
+TASK_RECENT_S = 3_600  # a background task that failed this recently (and runs again) is still worth a WARN
 # Job outcomes (workers/scheduler.py): ok, noop, dry_run, cancelled (at shutdown) are normal; error, and
 # interrupted (the daemon died mid-run), are failures.
 
@@ -150,30 +153,15 @@ def _start_fix() -> str:
     return "loom install systemd (or run `loomd` in a terminal)"
 
 
-def _mode_problem(path: Path, want: int, kind: str) -> str | None:
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        return f"{path} is a symlink; loomd expects a real {kind}"
-    if st.st_uid != os.getuid():
-        return f"{path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()})"
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        return f"{path} is mode {mode:o}: other users can reach it (want {want:o})"
-    return None
-
-
 def check_permissions(c: Checkup) -> Finding:
     p = c.config.paths
-    checks = [(p.data_dir, 0o700, "directory"), (p.state_dir, 0o700, "directory"),
-              (p.socket.parent, 0o700, "directory"), (p.db, 0o600, "file"), (p.socket, 0o600, "socket"),
-              (p.spool, 0o700, "directory")]
-    for path, want, kind in dict.fromkeys(checks):
-        problem = _mode_problem(path, want, kind)
+    checks = [(p.data_dir, "directory"), (p.state_dir, "directory"), (p.socket.parent, "directory"),
+              (p.db, "file"), (p.socket, "socket"), (p.spool, "directory"), (p.spool / "rejected", "directory"),
+              (p.spool / "quarantine", "directory"), (p.state_dir / "hook.log", "file")]
+    for path, kind in dict.fromkeys(checks):
+        problem = problem_with(path, kind, forbidden_mode=0o077)  # the daemon refuses writable; yours alone is best
         if problem:
-            return fail("permissions", problem, f"chmod {want:o} {shlex.quote(str(path))}")
+            return fail("permissions", problem.detail, problem.fix)
     return ok("permissions", "data, state, socket and spool are yours alone (0700 dirs, 0600 files)")
 
 
@@ -197,10 +185,37 @@ def check_database(c: Checkup) -> Finding:
     return ok("database", f"{db} ({size / 1e6:.1f} MB) passes its integrity check")
 
 
+def _ages(files: list[Path]) -> list[float]:
+    ages = []
+    for path in files:
+        try:
+            ages.append(time.time() - path.lstat().st_mtime)
+        except OSError:
+            continue
+    return ages
+
+
 def check_spool(c: Checkup) -> Finding:
     spool = c.config.paths.spool
-    backlog = len(list(spool.glob("*.msgpack"))) if spool.is_dir() else 0
+    waiting = list(spool.glob("*.msgpack")) if spool.is_dir() else []
+    backlog = len(waiting)
     rejected = len(list((spool / "rejected").glob("*"))) if (spool / "rejected").is_dir() else 0
+    quarantine = spool / "quarantine"
+    quarantined = len(list(quarantine.glob("*"))) if quarantine.is_dir() else 0
+    oldest = max(_ages(waiting), default=0.0)
+    if backlog and oldest > SPOOL_STUCK_S and c.status() is not None:
+        last = ((c.status() or {}).get("spool") or {}).get("last_error") or "see the daemon log"
+        return fail("spool", f"stuck: {backlog} events wait in {spool}, the oldest for {oldest / 60:.0f} min, although "
+                             f"the daemon runs ({last})",
+                    "loom status --json (spool, tasks) says why; then restart loomd: "
+                    + ("launchctl kickstart -k gui/$UID/" + services.LAUNCHD_LABEL if sys.platform == "darwin"
+                       else "systemctl --user restart loomd"))
+    if quarantined:
+        q = shlex.quote(str(quarantine))
+        return warn("spool", f"{quarantined} file(s) in {quarantine} that loomd could not read or that were not its "
+                             "user's own (a hook run under sudo?)",
+                    f"sudo chown {shlex.quote(user_name())} {q}/* && mv {q}/* {shlex.quote(str(spool))}/  "
+                    f"# to ingest them; or rm -r {q}")
     if rejected:
         return warn("spool", f"{backlog} waiting, {rejected} rejected in {spool / 'rejected'}",
                     "inspect the rejected files (they were not valid events), then delete them")
@@ -212,14 +227,57 @@ def check_spool(c: Checkup) -> Finding:
     return ok("spool", f"{backlog} waiting")
 
 
-def check_tailers(c: Checkup) -> Finding:
-    name = "transcript tailers"
+def check_spool_temp(c: Checkup) -> Finding:
+    """Temporary spool files left by shims killed mid-write: unredacted, and ingested only by a running daemon."""
+    name = "spool temp files"
+    spool = c.config.paths.spool
+    old = [a for a in _ages(list(spool.glob(".tmp-*")) if spool.is_dir() else []) if a > ORPHAN_TEMP_S]
+    if not old:
+        return ok(name, "none left behind")
+    detail = f"{len(old)} temporary file(s) older than {ORPHAN_TEMP_S} s in {spool} (shims killed while spooling; " \
+             "they hold unredacted hook payloads)"
+    if c.status() is None:
+        return warn(name, detail, _start_fix() + "  # it ingests them, or keeps them redacted in spool/rejected")
+    return warn(name, detail + " and the daemon has not taken them",
+                f"rm -f {shlex.quote(str(spool))}/.tmp-*  # loomd could not read them; see loom status --json")
+
+
+def _reported(c: Checkup, name: str, key: str, what: str) -> dict[str, Any] | Finding:
+    """`status[key]` of the running daemon, or the WARN saying why there is none."""
     status = c.status()
     if status is None:
         return warn(name, "unknown: the daemon is not running", _start_fix())
-    t = status.get("tailers")
-    if not isinstance(t, dict):
-        return warn(name, "the daemon does not report its tailers", "upgrade loomd and restart the daemon")
+    value = status.get(key)
+    if not isinstance(value, dict):
+        return warn(name, f"the daemon does not report its {what}", "upgrade loomd and restart the daemon")
+    return value
+
+
+def check_tasks(c: Checkup) -> Finding:
+    """The daemon's background tasks (spool watcher, tailer, embeddings): failing now is a FAIL."""
+    name = "background tasks"
+    tasks = _reported(c, name, "tasks", "background tasks")
+    if isinstance(tasks, Finding):
+        return tasks
+    down = {n: t for n, t in tasks.items() if t.get("state") == "backoff"}
+    recent = {n: t for n, t in tasks.items() if t.get("failures") and
+              time.time() - float(t.get("last_failed_at") or 0) < TASK_RECENT_S}
+    for group, verdict in ((down, fail), (recent, warn)):
+        if group:
+            n, t = next(iter(group.items()))
+            now = "is failing" if verdict is fail else "failed and runs again"
+            return verdict(name, f"{n} {now} ({t.get('failures')} failure(s), {t.get('failures_in_a_row')} in a row): "
+                                 f"{t.get('last_error')}",
+                           _fix_of(str(t.get("last_error")), "fix what the error names (loom doctor shows the "
+                                                             "permissions; the daemon log has the rest)"))
+    return ok(name, ", ".join(f"{n} {t.get('state')}" for n, t in sorted(tasks.items())))
+
+
+def check_tailers(c: Checkup) -> Finding:
+    name = "transcript tailers"
+    t = _reported(c, name, "tailers", "tailers")
+    if isinstance(t, Finding):
+        return t
     if not t.get("enabled", True):
         return warn(name, "transcript tailing is off (tail_transcripts = false)",
                     "set tail_transcripts = true to fill in what hooks do not carry")
@@ -507,7 +565,8 @@ def check_model_endpoint(c: Checkup) -> Finding:
 
 CHECKS: list[Callable[[Checkup], Finding]] = [
     check_interpreter, check_extensions, check_embedder, check_socket, check_permissions, check_service,
-    check_claude_hooks, check_codex_hooks, check_spool, check_tailers, check_database, check_workers,
+    check_claude_hooks, check_codex_hooks, check_spool, check_spool_temp, check_tasks, check_tailers, check_database,
+    check_workers,
     check_model_endpoint,
 ]
 

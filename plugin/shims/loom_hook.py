@@ -8,6 +8,12 @@ and `json` each cost milliseconds), parses nothing, and never imports loomd. Any
 plain plugin install may run it with whatever `python3` is first on PATH): no `X | Y` outside quoted annotations.
 Wire format: design README §4 (4-byte big-endian length, one msgpack map), hand-encoded here. Path rules repeat
 loomd/config.py::resolve_paths; keep both in step.
+
+It trusts nothing another user could have placed (a shared or loose LOOMD_HOME): no frame goes to a socket that is
+not a socket of this user, nor to a listener of another uid (SO_PEERCRED on Linux, LOCAL_PEERCRED on macOS where
+Python offers it); the event is spooled instead. hook.log is only appended to as a regular file of this user (never
+through a symlink), and text from outside (the daemon's replies, errors) is written escaped: it cannot add a line or
+do anything when the log is read by a shell.
 """
 
 import _signal
@@ -24,6 +30,9 @@ DEFAULT_MAX_FRAME = 8 << 20  # the daemon's max_frame_bytes; a larger event goes
 WATCHDOG_MARGIN_S = 2.0  # after the deadline, time left for spooling before the process just exits 0 ...
 WATCHDOG_BYTES_PER_S = 20e6  # ... plus time to write a large payload to a slow disk
 LOG_MAX = 1 << 20  # stop appending to hook.log past this size
+LINE_MAX = 600  # one hook.log line, at most
+SHOWN_MAX = 200  # one piece of outside text in it, at most
+S_IFMT, S_IFDIR, S_IFREG, S_IFSOCK = 0o170000, 0o040000, 0o100000, 0o140000
 
 
 class _Late(Exception):
@@ -32,6 +41,10 @@ class _Late(Exception):
 
 class _Failed(Exception):
     """The daemon did not take the event: error reply, bad reply, or closed connection."""
+
+
+class _Refused(Exception):
+    """The socket, or who listens on it, is not this user's: no frame is sent."""
 
 
 # ---------------------------------------------------------------- environment and paths
@@ -270,13 +283,41 @@ def _recv_exact(sock: _socket.socket, n: int, deadline: float) -> bytes:
     return b"".join(parts)
 
 
+def check_socket_file(sock_path: bytes) -> None:
+    """Raise _Refused unless the path is a socket (not a symlink) of this user. A missing one raises OSError."""
+    st = posix.lstat(sock_path)
+    if st.st_mode & S_IFMT != S_IFSOCK:
+        raise _Refused("not a socket" if st.st_mode & S_IFMT != 0o120000 else "a symlink")
+    if st.st_uid != posix.geteuid():
+        raise _Refused(f"owned by uid {st.st_uid}, not {posix.geteuid()}")
+
+
+def peer_uid(sock: _socket.socket) -> "int | None":
+    """The uid of the process listening at the other end, where the platform tells it; None where it does not."""
+    try:
+        if hasattr(_socket, "SO_PEERCRED"):  # Linux: struct ucred {pid_t pid; uid_t uid; gid_t gid}
+            cred = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
+            return int.from_bytes(cred[4:8], sys.byteorder)
+        if hasattr(_socket, "LOCAL_PEERCRED"):  # macOS: struct xucred {u_int version; uid_t uid; ...} at SOL_LOCAL 0
+            cred = sock.getsockopt(0, _socket.LOCAL_PEERCRED, 76)
+            if len(cred) >= 8 and int.from_bytes(cred[0:4], sys.byteorder) == 0:
+                return int.from_bytes(cred[4:8], sys.byteorder)
+    except OSError:
+        pass
+    return None
+
+
 def call(sock_path: bytes, args: bytes, deadline: float) -> str:
     """Send one hook request, wait for the reply until `deadline` (monotonic). Returns result.stdout or ""."""
     body_len = len(REQUEST_HEAD) + len(args)
+    check_socket_file(sock_path)
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         sock.connect(sock_path)
+        uid = peer_uid(sock)  # the file checked above may have been swapped since: ask who really listens
+        if uid is not None and uid != posix.geteuid():
+            raise _Refused(f"the listener runs as uid {uid}, not {posix.geteuid()}")
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         sock.sendall(body_len.to_bytes(4, "big") + REQUEST_HEAD)
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -293,7 +334,7 @@ def call(sock_path: bytes, args: bytes, deadline: float) -> str:
         error = reply.get("error")
         code = error.get("code") if isinstance(error, dict) else None
         message = error.get("message") if isinstance(error, dict) else None
-        raise _Failed(f"error reply {code!r}: {message!r}")
+        raise _Failed(f"error reply {shown(code)}: {shown(message)}")
     result = reply.get("result")
     out = result.get("stdout") if isinstance(result, dict) else None
     return out if isinstance(out, str) else ""
@@ -341,6 +382,9 @@ def spool(state: bytes, eid: str, args: bytes) -> None:
     """Write the args map to <state>/spool/<eid>.msgpack atomically (tmp file, fsync, rename), mode 0600."""
     folder = _join(state, b"spool")
     makedirs(folder)
+    st = posix.lstat(folder)
+    if st.st_mode & S_IFMT != S_IFDIR or st.st_uid != posix.geteuid():
+        raise PermissionError(f"the spool folder is a symlink or belongs to uid {st.st_uid}, not to this user")
     tmp = _join(folder, b".tmp-" + eid.encode())
     fd = posix.open(tmp, posix.O_WRONLY | posix.O_CREAT | posix.O_EXCL | posix.O_NOFOLLOW | posix.O_CLOEXEC, 0o600)
     try:
@@ -363,17 +407,41 @@ def spool(state: bytes, eid: str, args: bytes) -> None:
         pass
 
 
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-.,:/=+@%")
+
+
+def shown(value: object) -> str:
+    """Outside text (a reply, an error) made inert for hook.log: every character but letters, digits, spaces and
+    `_-.,:/=+@%` as a \\x/\\u escape (no quote, `$`, backtick, bracket or control character gets through), cut."""
+    text = value if isinstance(value, str) else repr(value)
+    cut = len(text) > SHOWN_MAX
+    out = "".join(c if c in _SAFE else f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+                  if ord(c) < 0x10000 else f"\\U{ord(c):08x}" for c in text[:SHOWN_MAX])
+    return out + "..." if cut else out
+
+
+def described(exc: BaseException) -> str:
+    return type(exc).__name__ + (": " + shown(str(exc)) if str(exc) else "")
+
+
 def log(state: "bytes | None", line: str) -> None:
-    """Append one line to <state>/hook.log if at all possible; never raises."""
+    """Append one line to <state>/hook.log if at all possible; never raises.
+
+    Only to a regular file of this user with one link, opened without following a symlink and without blocking (a
+    FIFO planted there): a log another user set up is not written at all. Callers pass outside text through shown().
+    """
     try:
         if state is None:
             return
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        text = f"{stamp} loom-hook[{posix.getpid()}] {line}".replace("\n", " ") + "\n"
-        flags = posix.O_WRONLY | posix.O_APPEND | posix.O_CREAT | posix.O_CLOEXEC
+        text = f"{stamp} loom-hook[{posix.getpid()}] {line}"[:LINE_MAX]
+        text = "".join(c if c >= " " and c != "\x7f" else " " for c in text) + "\n"
+        flags = posix.O_WRONLY | posix.O_APPEND | posix.O_CREAT | posix.O_CLOEXEC | posix.O_NOFOLLOW | posix.O_NONBLOCK
         fd = posix.open(_join(state, b"hook.log"), flags, 0o600)
         try:
-            if posix.fstat(fd).st_size < LOG_MAX:
+            st = posix.fstat(fd)
+            if st.st_mode & S_IFMT == S_IFREG and st.st_uid == posix.geteuid() and st.st_nlink == 1 \
+                    and st.st_size < LOG_MAX:
                 _write_all(fd, text.encode("utf-8", "replace"))
         finally:
             posix.close(fd)
@@ -397,6 +465,22 @@ def parse_argv(argv: "list[str]") -> "tuple[str, str, bytes | None]":
         return agent, event, None
     payload = rest[1] if len(rest) > 1 else ""
     return agent or "codex", event, payload.encode(sys.getfilesystemencoding(), "surrogateescape")
+
+
+def failure(exc: BaseException, sock_path: bytes, budget_ms: int) -> str:
+    """What hook.log says about a send that failed; "" when the daemon is simply not running (no socket file)."""
+    where = shown(sock_path.decode("utf-8", "replace"))
+    if isinstance(exc, _Refused):
+        return f"refused {where}: {exc}"  # our own text, with uids only
+    if isinstance(exc, (TimeoutError, _socket.timeout)):
+        return f"timed out after {budget_ms} ms waiting for the daemon on {where}"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"connection refused on {where} (a stale socket: no daemon listens)"
+    if isinstance(exc, _Failed):
+        return str(exc)  # outside text in it went through shown()
+    if isinstance(exc, FileNotFoundError):
+        return ""
+    return described(exc)
 
 
 def _exit_now(signum: int, frame: object) -> None:
@@ -424,7 +508,7 @@ def main(argv: list[str]) -> None:
         eid = f"{time.time_ns():016x}-{posix.getpid():08x}-{posix.urandom(4).hex()}"
         args = pack_args(agent or "auto", event, raw, eid, context, budget, time.time_ns() // 1_000_000)
     except BaseException as exc:
-        log(state, f"event={event!r} not sent, not spooled: {exc!r}")
+        log(state, f"event={shown(event)} not sent, not spooled: {described(exc)}")
         return
 
     try:
@@ -436,12 +520,15 @@ def main(argv: list[str]) -> None:
             raise _Failed(f"frame over {max_frame} bytes")
         out = call(sock_path, args, deadline)
     except BaseException as exc:
-        if isinstance(exc, _Failed):
-            log(state, f"event={event} eid={eid} spooled: {exc}")
+        why = failure(exc, sock_path, budget)
         try:
             spool(state, eid, args)
         except BaseException as spool_exc:
-            log(state, f"event={event} eid={eid} lost: daemon {exc!r}; spool {spool_exc!r}")
+            log(state, f"event={shown(event)} eid={eid} lost: daemon {why or described(exc)}; "
+                       f"spool {described(spool_exc)}")
+            return
+        if why:
+            log(state, f"event={shown(event)} eid={eid} spooled: {why}")
         return
     if out:
         try:
