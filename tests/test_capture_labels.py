@@ -120,6 +120,8 @@ def test_codex_task_prompts_are_not_captured() -> None:
     ("also use tdd for every change", "rule"),
     ("I really like this approach, keep that style.", "rule"),
     ("Let's make it portable.", "rule"),
+    ("Prioritize readability over cleverness in this codebase.", "rule"),
+    ("Optimize for startup latency, not throughput.", "rule"),
     # not rules: tasks, picks, guesses, quotes, pasted output, experience, steps of this task
     ("ok, let's use this one and adjust the others", "decision"),
     ("I prefer option 2.", "decision"),
@@ -135,6 +137,8 @@ def test_codex_task_prompts_are_not_captured() -> None:
     ("I like where this is going, continue", None),
     ("I'd like you to refactor the parser.", None),
     ("Let's keep going.", None),
+    ("Should we prioritize the login bug over the refactor?", None),
+    ("Can you optimize this loop?", None),
     ("There are uncommitted changes, please commit them.", None),
 ])
 def test_rule_shapes(sentence: str, kind: str | None) -> None:

@@ -201,6 +201,10 @@ _PREFERENCE_PARTS = (
      rf"{_CLAUSE}(?:just\s+)?use\b[^.?!]*?(?:\binstead of\b|\brather than\b|\bfor (?:all|every|each|any)\b)"),
     ("use",
      rf"{_CLAUSE}(?:just\s+)?use\s+[^.?!]{{1,40}}?(?:,\s*|\s)not\s+(?!only|just|sure|working|yet)\w"),
+    # what to weigh above what: "prioritize systems design over AI wrappers", "favour clarity over speed",
+    # "optimize for latency"
+    ("priorit|favo|optimi",
+     rf"{_CLAUSE}(?:always\s+)?(?:(?:prioriti[sz]e|favou?r)\b[^.?!]{{1,80}}\bover\b|optimi[sz]e (?:for|towards?)\b)"),
     # a style the user wants: "I want it concise", "keep the API minimal"
     ("i",
      r"\bi (?:want|need|'d like|would like) (?:it |this |that |them |the \w+ |everything )?(?:to be )?(?:very |more "
