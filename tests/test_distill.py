@@ -197,6 +197,22 @@ def test_command_parsing_helpers() -> None:
         == "KeyError: 'x'"
 
 
+@pytest.mark.parametrize("output, line", [
+    # the checker's own diagnostic, not its count ("Found 1 error." was chosen before)
+    ("Exit code 1\nW292 [*] No newline at end of file\n --> src/server.py:260:6\n\nFound 1 error.\n"
+     "[*] 1 fixable with the `--fix` option.", "W292 [*] No newline at end of file"),
+    ("ANN401 Dynamically typed expressions (typing.Any) are disallowed in `_get`\n\nFound 1 error.",
+     "ANN401 Dynamically typed expressions (typing.Any) are disallowed in `_get`"),
+    ("===== FAILURES =====\n___ test_retry ___\nFAILED tests/test_up.py::test_retry - assert 0 == 3\n"
+     "=== 1 failed, 4 passed in 0.3s ===", "FAILED tests/test_up.py::test_retry - assert 0 == 3"),
+    ("src/cli.ts(350,27): error TS2345: Argument of type 'X' is not assignable",
+     "src/cli.ts(350,27): error TS2345: Argument of type 'X' is not assignable"),
+    ("Found 3 errors in 2 files (checked 5 source files)", "Found 3 errors in 2 files (checked 5 source files)"),
+])
+def test_the_error_line_names_the_error_not_a_banner(output: str, line: str) -> None:
+    assert first_error_line(output) == line
+
+
 def _mem(i: int, kind: str, text: str, created: float) -> Mem:
     return Mem(i, kind, text, created, None, None, 0.5, 0, {}, content_words(text), frozenset(), None, text)
 

@@ -102,6 +102,13 @@ TEST_FAILED = re.compile(r"\b(\d+ failed|FAILED\b|FAIL\b|failures?=|\d+ errors?\
 _ERROR_LINE = re.compile(r"(error|exception|failed|failure|fatal|cannot|could not|can't|not found|no such|denied|"
                          r"invalid|unknown|refused|timed? ?out|panic|unauthori[sz]ed|forbidden|missing|conflict|"
                          r"\b(?:HTTP|status)[ :/]*[45]\d\d\b)", re.IGNORECASE)
+# A checker's own diagnostic line: a rule code ("W292 …", "E501 …"), "error[E0308]: …", "path:12:3: …".
+_DIAGNOSTIC = re.compile(r"^(?:[A-Z]{1,5}\d{2,5}\b(?!-)|error(?:\[\w+\])?:|[\w./\\-]+\.\w+(?::\d+){1,2}:?\s|"
+                         r"[\w./\\-]+\.\w+\(\d+,\d+\):)")
+_BANNER = re.compile(r"^[=\-*#_ ]*(?:found \d+ (?:errors?|problems?|issues?)(?: in \d+ files?)?|"
+                     r"\d+ (?:errors?|problems?|warnings?)(?: (?:found|generated))?|short test summary info|"
+                     r"failures|errors|\[\*\] \d+ fixable.*|\d+ failed(?:, \d+ \w+)*(?: in [\d.]+s)?)[.!]?[=\-*#_ ]*$",
+                     re.IGNORECASE)
 _COMMIT_RESULT = re.compile(r"^\[([\w./+-]+)(?: \(root-commit\))? ([0-9a-f]{7,40})\] (.+)$", re.MULTILINE)
 PR_URL = re.compile(r"https://github\.com/[\w.-]+/[\w.-]+/pull/\d+")
 
@@ -146,10 +153,12 @@ def first_error_line(output: str) -> str:
         for ln in reversed(lines):
             if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b", ln):
                 return clip(ln, 140)
-    for ln in lines:
-        if _ERROR_LINE.search(ln):
+    # A count or a banner ("Found 1 error.", "===== FAILURES =====") says that something failed, not what.
+    named = [ln for ln in lines if not _BANNER.match(ln)]
+    for ln in named:
+        if _DIAGNOSTIC.match(ln) or _ERROR_LINE.search(ln):
             return clip(re.sub(r"</?tool_use_error>", "", ln), 140)
-    return clip(lines[0], 140) if lines else ""
+    return clip((named or lines)[0], 140) if lines else ""
 
 
 def commit_subject(command: str, output: str) -> tuple[str, str] | None:
