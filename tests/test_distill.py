@@ -150,6 +150,33 @@ def test_user_choices_plans_and_open_todos() -> None:
     assert not [k for k, _ in s.observe(final=False) if k == "todo"]  # only a finished session has leftovers
 
 
+def test_a_choice_keeps_its_object_and_the_user_speaks_outside_prompts() -> None:
+    s = Session()
+    s.assistant("For the bundler I'd go with Vite or webpack; Vite builds faster and needs less config.")
+    s.user("ok, fine, let's do vite")
+    s.run("", 'User has answered your questions: "How should corrupted archives be reported?"="Option C: Extra '
+              'field". You can now continue.', tool="AskUserQuestion", tool_input={"questions": [
+                  {"question": "How should corrupted archives be reported?", "options": [
+                      {"label": "Option C: Extra field", "description": "Keep the archive and flag it in a field"}]}]})
+    s.run("", "The user doesn't want to proceed with this tool use. The tool use was rejected. To tell you how to "
+              "proceed, the user said:\nSplit the plan into milestones with a contract for each\n\nNote: The user's "
+              "next message may contain a correction or preference.", True, tool="ExitPlanMode",
+          tool_input={"plan": "# Plan"})
+    s.run("", json.dumps({"answers": {"pace": {"answers": ["Fast (Recommended)", "user_note: Prioritize tests over "
+                                                           "speed of delivery, always."]}}}),
+          tool="request_user_input", tool_input={"questions": [
+              {"id": "pace", "question": "How fast should we go?",
+               "options": [{"label": "Fast (Recommended)", "description": "Ship daily"}]}]})
+    got = s.observe(final=True)
+    assert ("decision", "ok, fine, let's do vite (on: For the bundler I'd go with Vite or webpack; Vite builds faster "
+                        "and needs less config.)") in got
+    assert ("decision", 'User chose "Option C: Extra field: Keep the archive and flag it in a field" for: How should '
+                        "corrupted archives be reported?") in got
+    assert ("goal", "User said instead of ExitPlanMode: Split the plan into milestones with a contract for each") in got
+    assert ("decision", 'User chose "Fast (Recommended): Ship daily" for: How fast should we go?') in got
+    assert ("preference", "Prioritize tests over speed of delivery, always.") in got
+
+
 def test_a_compaction_summary_keeps_intent_pending_work_and_fixes() -> None:
     s = Session()
     s.add("compact_summary", {"text": (

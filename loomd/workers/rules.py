@@ -51,6 +51,21 @@ _USER_SAID = re.compile(r"the user said:\s*\n(.+?)(?:\n\s*\nNote: The user's nex
                         re.IGNORECASE | re.DOTALL)
 
 
+def _questions(tool_input: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The questions a tool put to the user (AskUserQuestion, Codex's request_user_input), by their text."""
+    found = tool_input.get("questions")
+    return {str(q.get("question") or q.get("header") or q.get("id")): q
+            for q in (found if isinstance(found, list) else []) if isinstance(q, dict)}
+
+
+def _option(question: dict[str, Any], answer: str) -> str:
+    """A chosen option with its own words ("Option C: Extra field: keeps the archive, flags it"), not the label
+    alone: the label says nothing once the question is gone."""
+    described = {str(o.get("label")): str(o.get("description") or "")
+                 for o in question.get("options") or [] if isinstance(o, dict)}
+    return f"{answer}: {clip(described[answer], 60)}" if described.get(answer) else answer
+
+
 _COMPACT_SECTIONS = {
     "primary request and intent": "goal", "pending tasks": "todo", "current work": "progress",
     "optional next step": "todo", "errors and fixes": "pitfall", "problem solving": "finding",
@@ -86,6 +101,7 @@ class _Lane:
     rejected: Step | None = None
     rejected_left: int = 0
     last_assistant: Step | None = None
+    answered: Step | None = None  # the assistant message the user's current turn answers
     awaiting_why: _Failure | None = None
     created: list[tuple[str, Step]] = field(default_factory=list)
     edited: list[tuple[str, Step]] = field(default_factory=list)
@@ -136,6 +152,7 @@ class RuleObserver:
     # --- turns ---------------------------------------------------------------------------------------------
 
     def on_user(self, step: Step, lane: _Lane) -> None:
+        lane.answered = lane.last_assistant  # what a short "ok, let's do that" answers
         self.close_turn(lane, sidechain=step.lane != "main")
         lane.rejected = None
         found = user_sentences(step.text)
@@ -152,11 +169,14 @@ class RuleObserver:
         sentences that state a rule or a preference as such, and what they asked for in their words."""
         found = user_sentences(text)
         classified = 0
+        answered = self.lanes.get(step.lane, _Lane()).answered
         for sentence in found:
             kind = classify_user_sentence(sentence)
             if kind:
                 classified += 1
-                self.emit(kind, sentence, step, by="user")
+                # A short choice names its object by pointing ("let's use this one"): say what it answered.
+                on = summary_sentence(answered.text) if kind == "decision" and answered and len(sentence) < 100 else ""
+                self.emit(kind, f"{sentence} (on: {on})" if on else sentence, step, by="user")
         # The whole text, not only its sentences: a long run-on prompt is one "sentence" too long to classify, and
         # still what the user asked for.
         words = " ".join(clean_user_text(text).split())
@@ -259,8 +279,10 @@ class RuleObserver:
         if lane.rejected is not None and not step.failed:
             self.after_rejection(step, lane)
         if tool == "AskUserQuestion":
+            asked = _questions(step.tool_input)
             for question, answer in re.findall(r'"([^"]{5,300})"="([^"]{1,200})"', step.text):
-                self.emit("decision", f'User chose "{answer}" for: {question}', step, by="user")
+                self.emit("decision", f'User chose "{_option(asked.get(question, {}), answer)}" for: {question}', step,
+                          by="user")
             return
         if tool == "request_user_input":
             self.on_answers(step)
@@ -300,8 +322,7 @@ class RuleObserver:
     def on_answers(self, step: Step) -> None:
         """Codex's questions to the user: each choice with its question and the option's own words, and the notes
         the user typed beside an option in their own voice."""
-        questions = step.tool_input.get("questions")
-        asked = {str(q.get("id")): q for q in (questions if isinstance(questions, list) else []) if isinstance(q, dict)}
+        asked = {str(q.get("id")): q for q in _questions(step.tool_input).values()}
         try:
             answers = json.loads(step.text).get("answers")
         except (ValueError, AttributeError):
@@ -309,17 +330,14 @@ class RuleObserver:
         for qid, entry in (answers.items() if isinstance(answers, dict) else ()):
             picked = entry.get("answers") if isinstance(entry, dict) else None
             question = asked.get(str(qid), {})
-            options = {str(o.get("label")): str(o.get("description") or "")
-                       for o in question.get("options") or [] if isinstance(o, dict)}
             for answer in picked if isinstance(picked, list) else []:
                 answer = str(answer)
                 if answer.startswith("user_note:"):
                     if step.lane == "main":
                         self.user_voice(answer.removeprefix("user_note:"), step, "User noted")
                     continue
-                what = f": {clip(options[answer], 60)}" if options.get(answer) else ""
                 about = question.get("question") or question.get("header") or qid
-                self.emit("decision", f'User chose "{answer}{what}" for: {about}', step, by="user")
+                self.emit("decision", f'User chose "{_option(question, answer)}" for: {about}', step, by="user")
 
     def on_rejected(self, step: Step, lane: _Lane) -> None:
         said = _USER_SAID.search(step.text)
