@@ -581,7 +581,9 @@ async def test_a_real_session_yields_useful_observations_and_reflections(monkeyp
         assert all(len(t) <= 200 for t in obs)
         assert any("pytest: command not found" in t and ".venv/bin/activate" in t for t in obs)
         assert any(t.startswith("Committed 70f2781: feat: add support for tar archives") for t in obs)
-        assert any(t.startswith('User chose "Option C: Extra field"') for t in obs)
+        # The choice says what Option C is, not only its label.
+        assert any(t.startswith('User chose "Option C: Extra field: Add CORRUPTED as a 4th tab-separated field')
+                   for t in obs)
         await client.call("workers_run", name="reflector", session_id=session)
         durable = {m["kind"]: m["text"] for m in await memories(client) if m["kind"] in ("insight", "decision")}
         assert "insight" in durable and "decision" in durable
