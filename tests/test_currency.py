@@ -64,6 +64,25 @@ async def test_a_fixed_failure_supersedes_its_error(quiet: Any) -> None:
     assert f"#{errors[0]['id']}" not in start["text"]
 
 
+async def test_a_command_that_works_again_supersedes_its_fails_repeatedly(quiet: Any) -> None:
+    """Capture, at ingest: "Fails repeatedly: X" is out of date once X works (the "Works: X" capture supersedes it),
+    so the next start block does not warn about a command that works."""
+    _, client = quiet
+    s = "cur-cap"
+    error = "ImportError: cannot import name 'get_config' from 'app'"
+    for args in [bash(s, "uv run python -c 'import app'", error, 1, failed=True),
+                 bash(s, "uv run python -c 'import app'", error, 2, failed=True),
+                 bash(s, "uv run python -c 'import app'", "ok", 3)]:
+        await client.call("hook", **args)
+    rows = (await client.call("timeline", session_id=s, include_archived=True, limit=100))["memories"]
+    repeated = [r for r in rows if r["kind"] == "error" and r["text"].startswith("Fails repeatedly")]
+    works = [r for r in rows if r["kind"] == "procedure" and r["text"].startswith("Works:")]
+    assert repeated and works, [(r["kind"], r["text"]) for r in rows]
+    assert repeated[0]["superseded_by"] == works[0]["id"]
+    start = await client.call("context", kind="start", session_id="cur-cap-next", project=rows[0]["project"])
+    assert "Fails repeatedly" not in start["text"] and "Works:" in start["text"]
+
+
 async def test_real_sessions_show_supersession(quiet: Any) -> None:
     daemon, client = quiet
     qa = json.loads(need_test_data("coding-qa-dev.json").read_bytes())

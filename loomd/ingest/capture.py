@@ -27,7 +27,7 @@ from loomd.ingest.reading import (
     shell_command,
 )
 from loomd.ingest.sentences import classify_user_sentence, user_sentences
-from loomd.store.memories import MemoryWriter, insert_memory
+from loomd.store.memories import MemoryWriter, insert_memory, supersede
 
 MAX_TEXT = 200  # characters of a captured memory
 
@@ -49,6 +49,7 @@ class SessionMemory:
 
     failures: dict[str, str] = field(default_factory=dict)  # command key -> first error line
     error_counts: dict[str, int] = field(default_factory=dict)  # normalised error -> times seen
+    errors: dict[str, list[int]] = field(default_factory=dict)  # command key -> its "fails repeatedly" memories
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,9 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+FIXES = frozenset({"fixed_after_failure", "tests_green"})  # rules that say a failing command works now
+
+
 def evaluate(run: ToolRun | None, prompt: str | None, state: SessionMemory) -> list[Capture]:
     """Every rule's verdict on one event (pure apart from the session state it updates)."""
     out = []
@@ -264,12 +268,19 @@ class Capturer:
                 continue
             state = self.sessions.setdefault(event.session_id, SessionMemory())
             for capture in evaluate(run, prompt, state):
-                await self._store(db, event, capture)
+                memory_id = await self._store(db, event, capture)
+                if memory_id is None or run is None:
+                    continue
+                if capture.rule == "repeated_failure":
+                    state.errors.setdefault(command_key(run.command), []).append(memory_id)
+                elif capture.rule in FIXES:
+                    # The command works now: what was noted as failing repeatedly is out of date.
+                    await supersede(db, memory_id, state.errors.pop(command_key(run.command), []))
 
-    async def _store(self, db: aiosqlite.Connection, event: Event, capture: Capture) -> None:
+    async def _store(self, db: aiosqlite.Connection, event: Event, capture: Capture) -> int | None:
         rows = list(await db.execute_fetchall("SELECT captures FROM sessions WHERE id = ?", (event.session_id,)))
         if rows and rows[0][0] >= self.rate:
-            return
+            return None
         memory_id, is_new = await insert_memory(
             db, kind=capture.kind, text=capture.text, project=event.project, session_id=event.session_id,
             agent=event.agent, importance=capture.importance, created=event.ts, origin=f"capture:{capture.rule}",
@@ -279,3 +290,4 @@ class Capturer:
             await db.execute("UPDATE sessions SET captures = captures + 1 WHERE id = ?", (event.session_id,))
             await self.memories.derive(db, [memory_id])
             self.fired[capture.rule] = self.fired.get(capture.rule, 0) + 1
+        return memory_id

@@ -147,6 +147,22 @@ async def set_archived(db: aiosqlite.Connection, ids: Sequence[int], archived: b
     return cur.rowcount
 
 
+async def supersede(db: aiosqlite.Connection, new_id: int, old_ids: Iterable[int]) -> list[int]:
+    """`new_id` makes `old_ids` out of date: each still current one gets `superseded_by` and a `supersedes` edge
+    (kept, so the chain stays visible); returns those it changed."""
+    changed: list[int] = []
+    for old in old_ids:
+        cur = await db.execute(
+            "UPDATE memories SET superseded_by = ? WHERE id = ? AND id != ? AND superseded_by IS NULL",
+            (new_id, old, new_id))
+        if cur.rowcount:
+            changed.append(old)
+            await db.execute(
+                "INSERT OR IGNORE INTO edges (src_type, src_id, dst_type, dst_id, type, weight, created)"
+                " VALUES ('memory', ?, 'memory', ?, 'supersedes', 1.0, ?)", (new_id, old, time.time()))
+    return changed
+
+
 class MemoryWriter:
     """The one memory-write path's side effects. Listeners are registered by whoever owns them (the daemon wires
     the vector service): `stale` gets the ids whose vectors must be (re)computed, `committed` is called after a

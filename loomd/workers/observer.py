@@ -14,13 +14,12 @@ from collections import Counter
 import aiosqlite
 
 from loomd.errors import ModelError
-from loomd.store.memories import insert_memory
+from loomd.store.memories import insert_memory, supersede
 from loomd.workers.base import (
     RunReport,
     RunRequest,
     WatermarkMoved,
     WorkerContext,
-    add_edge,
     get_int_checkpoint,
     progress,
     set_checkpoint,
@@ -43,14 +42,11 @@ async def supersede_errors(db: aiosqlite.Connection, session_id: str, failed_eve
     date: superseded by the fix, kept, and linked (`supersedes`), so the start block drops them and search ranks
     them below their successor."""
     marks = ",".join("?" * len(failed_events))
-    cur = await db.execute(
-        "UPDATE memories SET superseded_by = ? WHERE session_id = ? AND kind = 'observation' AND superseded_by IS NULL"
-        " AND json_extract(meta, '$.type') = 'error' AND id != ? AND id IN (SELECT memory_id FROM memory_sources"
-        f" WHERE event_id IN ({marks})) RETURNING id", (fix_id, session_id, fix_id, *failed_events))
-    stale = [row[0] for row in await cur.fetchall()]
-    for old in stale:
-        await add_edge(db, fix_id, old, "supersedes")
-    return len(stale)
+    rows = await db.execute_fetchall(
+        "SELECT id FROM memories WHERE session_id = ? AND kind = 'observation' AND superseded_by IS NULL"
+        " AND json_extract(meta, '$.type') = 'error' AND id IN (SELECT memory_id FROM memory_sources"
+        f" WHERE event_id IN ({marks}))", (session_id, *failed_events))
+    return len(await supersede(db, fix_id, [row[0] for row in rows]))
 
 
 def watermark_name(session_id: str) -> str:
