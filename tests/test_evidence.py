@@ -144,3 +144,25 @@ async def test_a_prompt_recall_shows_a_window_of_each_step_within_its_share(clie
     room = recall_room(cfg.prompt_block_chars, cfg.prompt_block_lines)
     assert all(len(shown) <= room + len("[V] 2025-01-01  #1234567") for shown in body)
     assert any(line[:60] in shown for shown in body)  # the matching window, from deep inside the step
+
+
+async def test_what_a_hook_only_session_read_is_evidence(client: AsyncClient) -> None:
+    """A session seen only through its hooks (no transcript): Claude Code's structured tool results — Read's
+    {"file": {"content"}}, a subagent's report as content blocks — are the step's text, as in a transcript."""
+    logs = need_test_data("transcripts", "CoorpAcademy-serverless-plugins", "logs")
+    records = [r for name in ("session_start.json", "user_prompt_submit.json")
+               for r in json.loads((logs / name).read_text())]
+    for folder in sorted(p for p in logs.iterdir() if p.is_dir()):
+        records += [r for f in sorted(folder.glob("*.json")) for r in json.loads(f.read_text())]
+    reads = [r for r in records if r.get("hook_event_name") == "PostToolUse" and r.get("tool_name") == "Read"
+             and isinstance((r.get("tool_response") or {}).get("file"), dict)]
+    assert reads
+    session = reads[0]["session_id"]
+    for record in sorted((r for r in records if r.get("session_id") == session), key=lambda r: r.get("timestamp", 0)):
+        await client.call("hook", event=record["hook_event_name"], agent="claude", raw=json.dumps(record))
+    assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
+    read = next(r for r in reads if r["session_id"] == session)
+    content = read["tool_response"]["file"]["content"]
+    line = next(ln for ln in content.splitlines() if len(ln.split()) >= 5)
+    found = await client.call("search", query=line, mode="keyword", cwd=read["cwd"], limit=5, kind="evidence")
+    assert any(line in r["text"] for r in found["results"]), [r["text"][:120] for r in found["results"]]

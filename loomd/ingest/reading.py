@@ -52,9 +52,19 @@ def response_text(response: Any) -> tuple[str, bool]:
                  if isinstance(response.get(k), str) and response[k]]
         flagged = bool(response.get("is_error") or response.get("isError") or response.get("success") is False
                        or (isinstance(response.get("exit_code"), int) and response["exit_code"] != 0))
+        # Claude Code's structured results: Read's {"file": {"content"}}, a subagent's report as content blocks,
+        # Glob's and Grep's file lists. What the agent read or was told is what a later question asks about.
+        read = response.get("file")
+        if isinstance(read, dict) and isinstance(read.get("content"), str):
+            parts.append(read["content"])
+        if isinstance(response.get("content"), list):
+            parts.append(response_text(response["content"])[0])
+        names = response.get("filenames")
+        if isinstance(names, list) and not parts:
+            parts.append("\n".join(str(n) for n in names))
         if not parts and isinstance(response.get("filePath"), str):
             parts.append(f"File {response.get('type', 'written')}: {response['filePath']}")
-        return "\n".join(parts), flagged
+        return "\n".join(p for p in parts if p), flagged
     if isinstance(response, list):
         return "\n".join(str(b.get("text", "")) for b in response if isinstance(b, dict)), False
     return "", False
