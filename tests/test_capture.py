@@ -72,6 +72,7 @@ async def test_every_rule_fires_on_its_payload(client: AsyncClient) -> None:
     await send(client, claude_post('git commit -m "Switch the cache to Redis streams"',
                                     "[main 1a2b3c4] Switch the cache to Redis streams\n 1 file changed"))
     await send(client, claude_post("git checkout -b feature/retry-queue", "Switched to a new branch"))
+    await send(client, claude_post("git stash -u; git checkout -b chore/bump-node", "Switched to a new branch"))
     await send(client, claude_post("", tool="Edit", tool_input={"file_path": "/tmp/capproj/pyproject.toml",
                                                                 "old_string": "a", "new_string": "b"}))
     await send(client, claude_post("npm run build", stderr="Error: Cannot find module 'vite'", failed=True))
@@ -85,7 +86,10 @@ async def test_every_rule_fires_on_its_payload(client: AsyncClient) -> None:
     by_origin = {m["origin"]: m for m in memories}
     assert by_origin["capture:git_commit"]["text"] == "Committed: Switch the cache to Redis streams"
     assert by_origin["capture:git_commit"]["kind"] == "decision"
-    assert by_origin["capture:git_history"]["text"] == "New branch feature/retry-queue"
+    history = [m["text"] for m in memories if m["origin"] == "capture:git_history"]
+    assert "New branch feature/retry-queue" in history
+    # More than the branch happened: the whole command line is part of the fact.
+    assert "New branch chore/bump-node: `git stash -u; git checkout -b chore/bump-node`" in history
     assert by_origin["capture:significant_edit"]["text"] == "Edited /tmp/capproj/pyproject.toml"
     assert "Cannot find module" in by_origin["capture:repeated_failure"]["text"]
     assert by_origin["capture:repeated_failure"]["kind"] == "error"

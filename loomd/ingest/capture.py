@@ -120,7 +120,11 @@ def _git_history(run: ToolRun | None, _prompt: str | None, _s: SessionMemory) ->
     ):
         match = re.search(pattern, c)
         if match:
-            return label.format(match.group(1))
+            # The whole command line when it did more than that ("git stash -u; git checkout -b x"): what happened
+            # to the work in progress is part of the fact.
+            done = label.format(match.group(1))
+            line = " ".join(c.split())
+            return done if line == match.group(0) else f"{done}: `{clip(line, 150)}`"
     return None
 
 
