@@ -166,3 +166,17 @@ async def test_what_a_hook_only_session_read_is_evidence(client: AsyncClient) ->
     line = next(ln for ln in content.splitlines() if len(ln.split()) >= 5)
     found = await client.call("search", query=line, mode="keyword", cwd=read["cwd"], limit=5, kind="evidence")
     assert any(line in r["text"] for r in found["results"]), [r["text"][:120] for r in found["results"]]
+
+
+def test_a_commands_window_always_shows_its_outcome() -> None:
+    """The last line of a command's output is what it came to ("Found 38 errors in 5 files"): shown whatever the
+    query matched above it; a message's last line is not."""
+    lines = [f"src/pkg/module_{i}.py:{i}: error: Missing type parameters for generic type" for i in range(80)]
+    lines.append("Found 38 errors in 5 files (checked 12 source files)")
+
+    def holds(line: str) -> frozenset[str]:
+        return held_terms("module_3 missing type parameters", line)
+
+    shown = best_windows("Bash `uv run mypy src/`:", lines, holds)
+    assert lines[-1] in shown and "module_3.py" in shown and len(shown) <= WINDOW_CHARS
+    assert lines[-1] not in best_windows("Assistant:", lines, holds)

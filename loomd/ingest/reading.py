@@ -24,7 +24,8 @@ def tick(command: str, limit: int = 80) -> str:
     return "`" + clip(command.replace("`", "'"), limit) + "`"
 
 
-SHELL_TOOLS = frozenset({"Bash", "bash", "shell", "exec_command", "local_shell", "container.exec", "run_command"})
+SHELL_TOOLS = frozenset({"Bash", "bash", "shell", "shell_command", "exec_command", "local_shell", "container.exec",
+                         "run_command"})
 EDIT_TOOLS = frozenset({"Edit", "MultiEdit", "Write", "NotebookEdit", "apply_patch", "edit_file", "write_file"})
 
 

@@ -10,11 +10,14 @@ checker names far below) comes back as one hit of the same size as a passage.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 WINDOW_CHARS = 720  # what one evidence hit may show, header included (the size of a passage)
 GAP = "…"
+# An evidence header that names a command (`workers/evidence.py`'s `header`: "Bash `pytest -x`:").
+COMMAND_HEAD = re.compile(r"^\S+ `.+`:$")
 RUN_SHARE = 0.8  # of a window's room, for its one run of lines; the rest for lines holding terms the run missed
 
 
@@ -32,12 +35,22 @@ def merge_passages(head: str, texts: Sequence[str]) -> list[str]:
 
 def best_windows(head: str, lines: Sequence[str], holds: Callable[[str], Collection[str]],
                  budget: int = WINDOW_CHARS) -> str:
+    """The window for `head`'s step (`window_lines`); a command's last line is its outcome ("Found 38 errors in 5
+    files", "76 passed, 2 failed") and is always shown."""
+    outcome = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].strip()), None) \
+        if COMMAND_HEAD.match(head) else None
+    return window_lines(head, lines, holds, budget, outcome)
+
+
+def window_lines(head: str, lines: Sequence[str], holds: Callable[[str], Collection[str]], budget: int,
+                 outcome: int | None = None) -> str:
     """`head` and a window of the step's lines within `budget` characters; `…` marks what was left out.
 
     Most of the room goes to one run of lines: the one that, starting a line before a line that holds query terms
     (`holds(line)` names them), covers the most distinct terms — an answer follows the line that names its subject
     (an error and then "fixed by", a heading and then its bullets, a command and then its output). What room is
     left takes the lines holding terms the run missed (a checker named far below the command), then the run goes on.
+    `outcome`, a line always shown (cut to a quarter of the room if the window did not reach it).
     """
     room = budget - len(head) - 1
     if sum(len(line) + 1 for line in lines) <= room:
@@ -47,6 +60,9 @@ def best_windows(head: str, lines: Sequence[str], holds: Callable[[str], Collect
     def cost(i: int) -> int:
         return min(len(lines[i]), room) + 3  # the newline and a possible gap mark
 
+    short = room // 4  # what the outcome line may take when the window did not reach it
+    if outcome is not None:
+        room -= min(len(lines[outcome]), short) + 3
     run_room = RUN_SHARE * room
     best, start = -1, 0
     for anchor in (i for i, terms in enumerate(held) if terms):
@@ -76,12 +92,15 @@ def best_windows(head: str, lines: Sequence[str], holds: Callable[[str], Collect
             chosen.add(i)
             used += cost(i)
         i += 1
+    added = outcome if outcome is not None and outcome not in chosen else None
+    if added is not None:
+        chosen.add(added)
     out: list[str] = []
     previous = -1
     for i in sorted(chosen):
         if previous >= 0 and i != previous + 1 or previous < 0 and i > 0:
             out.append(GAP)
-        out.append(lines[i][:room])
+        out.append(lines[i][:short] if i == added else lines[i][:room])
         previous = i
     if previous < len(lines) - 1:
         out.append(GAP)
