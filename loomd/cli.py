@@ -235,11 +235,12 @@ def config(local: bool, as_json: bool) -> None:
 
 @main.command()
 @json_option
-def doctor(as_json: bool) -> None:
+@click.option("--repair", is_flag=True, help="first rebuild a damaged full-text index from the tables")
+def doctor(as_json: bool, repair: bool) -> None:
     """Check everything a user could get wrong; exit non-zero on any FAIL."""
     from loomd.installer.doctor import run_checks
 
-    findings = run_checks()
+    findings = run_checks(repair=repair)
     _emit([f.__dict__ for f in findings], as_json,
           lambda fs: "\n".join(f"{f['status']:<4} {f['name']:<22} {f['detail']}" + (f"\n     fix: {f['fix']}"
                                if f["fix"] and f["status"] != "OK" else "") for f in fs))
