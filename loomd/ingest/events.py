@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +111,8 @@ def clean_strings(value: Any, max_chars: int, depth: int = 0, budget: Budget | N
 
     The walk is bounded: past `budget` (MAX_NODES values, MAX_PAYLOAD_CHARS characters) a map keeps a marker key
     `…` saying how many keys were cut, a list a marker item, a string its truncation mark; nothing later (redaction,
-    capture, the stored row) ever sees more than that.
+    capture, the stored row) ever sees more than that. Each nested map or list may use only its fair share of what
+    is left, so one huge `tool_input` cannot crowd out the `tool_response` after it.
     """
     budget = budget if budget is not None else Budget()
     budget.nodes -= 1
@@ -124,23 +127,43 @@ def clean_strings(value: Any, max_chars: int, depth: int = 0, budget: Budget | N
         return f"…[truncated: nested deeper than {MAX_DEPTH} levels]"
     if isinstance(value, dict):
         out: dict[str, Any] = {}
+        containers = _containers(value.values(), budget)
         for k, v in value.items():
             if budget.nodes <= 0 or budget.chars <= 0:
                 out["…"] = f"…[truncated: {len(value) - len(out)} more keys]"
                 break
             key = without_surrogates(str(k))
             budget.chars -= len(key)
-            out[key] = clean_strings(v, max_chars, depth + 1, budget)
+            out[key] = _clean_child(v, max_chars, depth, budget, containers)
+            containers -= isinstance(v, dict | list)
         return out
     if isinstance(value, list):
         items: list[Any] = []
+        containers = _containers(value, budget)
         for v in value:
             if len(items) >= MAX_LIST or budget.nodes <= 0 or budget.chars <= 0:
                 items.append(f"…[truncated: {len(value) - len(items)} more items]")
                 break
-            items.append(clean_strings(v, max_chars, depth + 1, budget))
+            items.append(_clean_child(v, max_chars, depth, budget, containers))
+            containers -= isinstance(v, dict | list)
         return items
     return value
+
+
+def _containers(values: Iterable[Any], budget: Budget) -> int:
+    """How many of the first values (as many as the budget could visit) are maps or lists."""
+    return sum(isinstance(v, dict | list) for v in itertools.islice(values, max(budget.nodes, 0)))
+
+
+def _clean_child(value: Any, max_chars: int, depth: int, budget: Budget, containers: int) -> Any:
+    if not isinstance(value, dict | list) or containers <= 1:
+        return clean_strings(value, max_chars, depth + 1, budget)
+    share = Budget(budget.nodes // containers, budget.chars // containers)
+    nodes, chars = share.nodes, share.chars
+    cleaned = clean_strings(value, max_chars, depth + 1, share)
+    budget.nodes -= nodes - share.nodes
+    budget.chars -= chars - share.chars
+    return cleaned
 
 
 def detect_agent(hint: str, payload: dict[str, Any]) -> str:
