@@ -7,7 +7,7 @@ alternate a quiet window and a hostile one (the same length), so machine noise l
 as "hostile" when it was sent while a hostile hook was in flight. Prints one JSON object: ping p50/p99/max per side,
 the extra latency (hostile minus quiet), and what was stored (the row's size and its truncation marker).
 
-    python bench/hostile.py [--keys 200000] [--rounds 5] [--interval-ms 2] [--embedder none]
+    python bench/hostile.py [--keys 200000] [--rounds 5] [--interval-ms 2] [--embedder none] [--keep-home]
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--interval-ms", type=float, default=2.0)
     parser.add_argument("--embedder", default="none", help="LOOMD_EMBEDDER for the daemon (none: no model noise)")
+    parser.add_argument("--keep-home", action="store_true", help="keep the scratch LOOMD_HOME (its daemon.log)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from loomd.client import Client
@@ -73,13 +74,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         payloads = [hostile_payload(args.keys, f"hostile-{i}") for i in range(args.rounds)]
+        # The shim reads its stdin from a file: feeding a pipe from here is a Python loop that would take the GIL
+        # from this process's pinger and count as the daemon's latency.
+        files = []
+        for i, payload in enumerate(payloads):
+            files.append(home / f"payload-{i}.json")
+            files[-1].write_bytes(payload)
         thread = threading.Thread(target=pinger, daemon=True)
         thread.start()
-        for payload in payloads:
+        for payload, file in zip(payloads, files, strict=True):
             quiet_start = time.perf_counter()
             start = time.perf_counter()
-            done = subprocess.run([sys.executable, "-S", "-E", str(SHIM), "claude", "PostToolUse"], input=payload,
-                                  env=shim_env, capture_output=True, timeout=120)
+            with file.open("rb") as stdin:
+                done = subprocess.run([sys.executable, "-S", "-E", str(SHIM), "claude", "PostToolUse"], stdin=stdin,
+                                      env=shim_env, capture_output=True, timeout=120)
             shim_s.append(time.perf_counter() - start)
             assert done.returncode == 0, done.stderr
             # In flight until stored: a shim past its deadline spools, and the daemon replays the spool file.
@@ -106,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.set()
         stop_daemon(proc)
-        shutil.rmtree(home, ignore_errors=True)
+        if args.keep_home:
+            print(f"kept {home}", file=sys.stderr)
+        else:
+            shutil.rmtree(home, ignore_errors=True)
 
     def in_flight(sent: float) -> bool:
         return any(a <= sent <= b for a, b in windows)

@@ -74,16 +74,24 @@ class EventParser:
             raise BadRequest("ingest needs 'raw' (hook bytes), 'item' (one event) or 'events' (a list)")
         return events
 
-    async def _in_child(self, agent: str, event_name: str, raw: bytes | str, eid: str | None, max_chars: int,
-                        now: float | None) -> Event:
+    def start(self) -> None:
+        """Start the child now, before any client is served: starting it holds the interpreter lock 20-50 ms
+        (measured; a thread does not help), which a client would otherwise feel on the first big payload."""
+        self._child().submit(int)
+
+    def _child(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             # spawn, not fork: the daemon has threads (SQLite, embeddings) a forked child would inherit mid-lock.
             # Niced: on a busy machine the child's parse must not take the CPU the event loop needs.
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(CHILD_NICE,))
+        return self._pool
+
+    async def _in_child(self, agent: str, event_name: str, raw: bytes | str, eid: str | None, max_chars: int,
+                        now: float | None) -> Event:
         self.in_process += 1
         try:
-            return await asyncio.wrap_future(self._pool.submit(
+            return await asyncio.wrap_future(self._child().submit(
                 parse_hook, agent, event_name, raw, eid, max_chars=max_chars, now=now))
         except BrokenProcessPool:
             self._pool = None  # a fresh child for the next payload
