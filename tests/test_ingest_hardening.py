@@ -176,21 +176,21 @@ def test_a_damaged_fts_index_is_rebuilt(home: Path, daemon_process: Any) -> None
     assert first.stop() == 0
     db = home / "loomd.db"
 
-    damage_fts(db)
-    database = next(f for f in run_checks(load_config()) if f.name == "database")
-    assert database.status == "FAIL" and "full-text index is damaged" in database.detail, database
-    assert "loom doctor --repair" in database.fix
-    findings = {f.name: f for f in run_checks(load_config(), repair=True)}
-    assert findings["repair"].status == "OK" and "rebuilt memories_fts" in findings["repair"].detail
-    assert findings["database"].status == "OK", findings["database"]
-
-    damage_fts(db)  # and the daemon, finding it so at start, rebuilds it rather than refusing to start
+    damage_fts(db)  # the daemon, finding it so at start, rebuilds it rather than refusing to start
     second: DaemonProcess = daemon_process({"LOOMD_EMBEDDER": "none"}).start()
     with Client(second.sock, timeout=30) as c:
         hits = c.call("search", {"query": "postgres lock timeout", "project": "p", "mode": "keyword", "limit": 50})
     assert hits["count"] == 30
     assert second.stop() == 0
     assert "rebuilding it from the tables" in second.log.read_text()
+
+    damage_fts(db)  # and doctor names it, with the fix that works
+    database = next(f for f in run_checks(load_config()) if f.name == "database")
+    assert database.status == "FAIL" and "full-text index is damaged" in database.detail, database
+    assert "loom doctor --repair" in database.fix
+    findings = {f.name: f for f in run_checks(load_config(), repair=True)}
+    assert findings["repair"].status == "OK" and "rebuilt memories_fts" in findings["repair"].detail
+    assert findings["database"].status == "OK", findings["database"]
 
 
 # --- defect 8 -----------------------------------------------------------------------------------------------------
