@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,8 +61,22 @@ def status(as_json: bool) -> None:
                 f"db {s['db']} ({s['db_bytes'] / 1e6:.1f} MB): {c['events']} events, {c['sessions']} sessions, "
                 f"{c['memories']} memories ({c['archived']} archived)\n"
                 f"spool backlog {s['spool_backlog']}, queue depth {s['queue_depth']}, "
-                f"embedder {s['embedder'].get('provider')}")
+                f"embedder {s['embedder'].get('provider')}" + _storage_line(s.get("storage")))
     _emit(data, as_json, human)
+
+
+def _storage_line(storage: dict[str, Any] | None) -> str:
+    """Events the daemon could not store, the last storage error, and the free space: losses are never silent."""
+    if not storage:
+        return ""
+    free = storage.get("free_bytes")
+    line = (f"\nstorage: {storage['commit_failed']} event(s) failed to commit, {storage['busy_refused']} refused as "
+            f"busy since start; {'?' if free is None else f'{free / 1e6:.0f} MB'} free")
+    recent = storage.get("recent_errors") or []
+    if recent:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(recent[-1]["time"]))
+        line += f"\nlast storage error {when}: {recent[-1]['message']}"
+    return line
 
 
 @main.command()

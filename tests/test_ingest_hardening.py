@@ -259,6 +259,10 @@ async def test_a_full_disk_loses_nothing_silently(tiny_disk: Path, monkeypatch: 
         last = status["recent_errors"][-1]
         assert "full" in last["message"] and abs(last["time"] - time.time()) < 120
         assert status["free_bytes"] < 1_000_000
+        shown = await asyncio.to_thread(subprocess.run, [str(Path(sys.executable).with_name("loom")), "status"],
+                                        capture_output=True, text=True, timeout=60)
+        assert f"{sent - stored} event(s) failed to commit" in shown.stdout, shown
+        assert "database or disk is full" in shown.stdout
         storage = next(f for f in await asyncio.to_thread(run_checks, load_config()) if f.name == "storage")
         assert storage.status == "FAIL" and f"{sent - stored} event(s) could not be committed" in storage.detail
         assert "df -h" in storage.fix
