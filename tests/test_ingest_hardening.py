@@ -30,7 +30,7 @@ import sqlean
 from conftest import REPO, DaemonProcess, serving
 from test_tailer import caught_up, query, wait_until
 
-from loomd.client import AsyncClient, Client
+from loomd.client import AsyncClient, Client, RemoteError
 from loomd.config import load_config
 from loomd.daemon import Daemon
 from loomd.store.db import open_checked
@@ -140,6 +140,22 @@ async def test_a_payload_of_200k_keys_is_cut_with_a_marker(client: AsyncClient, 
     assert size < 1_500_000  # the row is bounded (it was the whole 4.9 MB)
     # It was parsed in the child process, not on the event loop.
     assert (await client.call("status"))["storage"]["parsed_in_child"] >= 1
+
+
+async def test_normalised_events_are_cut_too_and_giant_msgpack_containers_refused(client: AsyncClient,
+                                                                                   home: Path) -> None:
+    """The `ingest` op's msgpack path: a map under the frame limit is cut like a hook payload; one over 20k
+    entries is refused before it is built, with a clear error, and the daemon serves on."""
+    wide = {f"k{i}": i for i in range(15_000)}
+    reply = await client.call("ingest", item={"session_id": "wide", "kind": "note", "payload": {"wide": wide}})
+    assert reply["stored"] == 1
+    payload = await stored_payload(client, home, "wide", within=20.0)
+    assert payload["wide"]["…"] == f"…[truncated: {15_000 - (len(payload['wide']) - 1)} more keys]"
+    with pytest.raises(RemoteError) as refused:
+        await client.call("ingest", item={"session_id": "wider", "kind": "note",
+                                          "payload": {f"k{i}": i for i in range(30_000)}})
+    assert refused.value.code == "bad_request" and "exceeds max_map_len" in str(refused.value)
+    assert (await client.call("ping"))["pong"]
 
 
 # --- defect 10: bad UTF-8, long lists, a damaged full-text index ----------------------------------------------------
