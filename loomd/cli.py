@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,7 +61,7 @@ def status(as_json: bool) -> None:
                 f"db {s['db']} ({s['db_bytes'] / 1e6:.1f} MB): {c['events']} events, {c['sessions']} sessions, "
                 f"{c['memories']} memories ({c['archived']} archived)\n"
                 f"spool backlog {s['spool_backlog']}, queue depth {s['queue_depth']}, "
-                f"embedder {s['embedder'].get('provider')}" + _health(s))
+                f"embedder {s['embedder'].get('provider')}" + _health(s) + _storage_line(s.get("storage")))
     _emit(data, as_json, human)
 
 
@@ -75,6 +76,20 @@ def _health(s: dict[str, Any]) -> str:
         lines.append(f"\nspool: {', '.join(f'{v} {k}' for k, v in aside.items()) or 'nothing set aside'}"
                      + (f"; {spool['last_error']}" if spool.get("last_error") else ""))
     return "".join(lines)
+
+
+def _storage_line(storage: dict[str, Any] | None) -> str:
+    """Events the daemon could not store, the last storage error, and the free space: losses are never silent."""
+    if not storage:
+        return ""
+    free = storage.get("free_bytes")
+    line = (f"\nstorage: {storage['commit_failed']} event(s) failed to commit, {storage['busy_refused']} refused as "
+            f"busy since start; {'?' if free is None else f'{free / 1e6:.0f} MB'} free")
+    recent = storage.get("recent_errors") or []
+    if recent:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(recent[-1]["time"]))
+        line += f"\nlast storage error {when}: {recent[-1]['message']}"
+    return line
 
 
 @main.command()
@@ -248,11 +263,12 @@ def config(local: bool, as_json: bool) -> None:
 
 @main.command()
 @json_option
-def doctor(as_json: bool) -> None:
+@click.option("--repair", is_flag=True, help="first rebuild a damaged full-text index from the tables")
+def doctor(as_json: bool, repair: bool) -> None:
     """Check everything a user could get wrong; exit non-zero on any FAIL."""
     from loomd.installer.doctor import run_checks
 
-    findings = run_checks()
+    findings = run_checks(repair=repair)
     _emit([f.__dict__ for f in findings], as_json,
           lambda fs: "\n".join(f"{f['status']:<4} {f['name']:<22} {f['detail']}" + (f"\n     fix: {f['fix']}"
                                if f["fix"] and f["status"] != "OK" else "") for f in fs))

@@ -126,6 +126,7 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         self.writer = EventWriter(self.store, max_pending=self.config.max_inflight)
         self.writer.start()
+        self.writer.parser.start()
         self.vectors = VectorService(self.config, self.store)
         self.memories = MemoryWriter(self.store)
         self.memories.stale.append(self.vectors.mark_dirty)

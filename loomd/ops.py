@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loomd import __version__
 from loomd.config import Config
 from loomd.context.planner import Planner
 from loomd.errors import BadRequest, Busy
-from loomd.ingest.events import INGEST_ARGS, LATEST_TS, parse_hook, sent_at
+from loomd.ingest.events import INGEST_ARGS, LATEST_TS, sent_at
 from loomd.ingest.project import project_of
 from loomd.ingest.writer import EventWriter
 from loomd.protocol import REQUIRED, ArgSpec, takes
@@ -79,7 +81,18 @@ class Ops:
             "queue_depth": self.s.writer.depth, "inflight": run["inflight"],
             "embedder": run["embedder"], "versions": await self.s.store.versions(),
             "tailer": run["tailer"], "tailers": run["tailer"], "spool": run["spool"], "tasks": run["tasks"],
+            "storage": self._storage(db),
         }
+
+    def _storage(self, db: Path) -> dict[str, Any]:
+        """What could not be stored (never silent), and the free space that is usually why."""
+        losses = self.s.writer.losses
+        try:
+            free: int | None = shutil.disk_usage(db.parent).free
+        except OSError:
+            free = None
+        return {"commit_failed": losses.failed, "busy_refused": losses.busy, "recent_errors": list(losses.recent),
+                "free_bytes": free, "parsed_in_child": self.s.writer.parser.in_process}
 
     async def _counts(self) -> dict[str, int]:
         row = await self.s.store.fetchone(
@@ -114,8 +127,9 @@ class Ops:
     })
     async def handle_hook(self, a: dict[str, Any]) -> dict[str, Any]:
         """A raw hook event from the shim: store it durably, then answer with what to print (maybe nothing)."""
-        event = parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=self.s.config().max_tool_output_chars,
-                           now=sent_at(a["sent_at"]))
+        event = await self.s.writer.parser.hook(a["agent"], a["event"], a["raw"], a["eid"],
+                                                max_chars=self.s.config().max_tool_output_chars,
+                                                now=sent_at(a["sent_at"]))
         # The context is read while the event commits; the reply (the ack) still waits for the commit.
         written = asyncio.ensure_future(self.s.writer.submit([event]))
         try:

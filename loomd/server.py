@@ -157,7 +157,7 @@ class Server:
                     raise UnknownOp(f"unknown op '{request.op}'; known: {', '.join(sorted(self.handlers))}")
                 reply = protocol.ok_reply(rid, await handler(request.args))
         except LoomdError as exc:
-            reply = protocol.error_reply(rid, exc.code, str(exc))
+            reply = protocol.error_reply(rid if rid is not None else protocol.salvage_id(body), exc.code, str(exc))
         except asyncio.CancelledError:
             reply = protocol.error_reply(rid, "shutting_down", "the daemon is stopping; retry shortly")
             await self._send(writer, lock, reply)

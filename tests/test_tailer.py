@@ -142,10 +142,13 @@ def norm(text: str) -> str:
 
 
 class Expected:
-    """Distinct things one session should yield: the same merges the database applies (prompt text, ids, keys)."""
+    """Distinct things one session should yield: the same merges the database applies (ids, keys). A prompt typed
+    twice is two prompts (one per line); Codex's two copies of one prompt (event and response item) are one."""
 
     def __init__(self) -> None:
-        self.users: set[str] = set()
+        self.users: set[str] = set()  # Claude: one per line (its uuid)
+        self.codex_user_events: Counter[str] = Counter()
+        self.codex_user_items: Counter[str] = Counter()
         self.texts: set[tuple[str, str]] = set()
         self.tool_uses: set[str] = set()
         self.tool_results: set[str] = set()
@@ -158,7 +161,8 @@ class Expected:
 
     def counts(self) -> dict[str, int]:
         codex_texts = (self.codex_events | self.codex_items).total()
-        return {"user_message": len(self.users), "assistant_message": len(self.texts) + codex_texts,
+        codex_users = (self.codex_user_events | self.codex_user_items).total()
+        return {"user_message": len(self.users) + codex_users, "assistant_message": len(self.texts) + codex_texts,
                 "tool_use": len(self.tool_uses), "tool_result": len(self.tool_results),
                 "compact_summary": len(self.compacts), "summary": len(self.summaries)}
 
@@ -176,7 +180,7 @@ class Expected:
         elif t == "attachment":
             att = o.get("attachment") or {}
             if att.get("type") == "queued_command" and isinstance(att.get("prompt"), str) and att["prompt"].strip():
-                self.users.add(norm(att["prompt"]))
+                self.users.add(str(o.get("uuid")))
         elif t == "assistant":
             msg = o["message"]
             content = msg["content"] if isinstance(msg["content"], list) else [{"type": "text", "text": msg["content"]}]
@@ -205,13 +209,13 @@ class Expected:
             if o.get("isCompactSummary") is True:
                 self.compacts.add(o["uuid"])
             else:
-                self.users.add(norm(text))
+                self.users.add(str(o.get("uuid")))
 
     def codex(self, o: dict[str, Any]) -> None:
         p = o.get("payload") or {}
         t, pt = o.get("type"), p.get("type")
         if t == "event_msg" and pt == "user_message" and not p["message"].lstrip().startswith(CODEX_INJECTED):
-            self.users.add(norm(p["message"]))
+            self.codex_user_events[norm(p["message"])] += 1
         elif t == "event_msg" and pt == "agent_message":
             self.codex_events[norm(p["message"])] += 1
         elif t == "response_item" and pt == "message" and p.get("role") == "assistant":
@@ -219,7 +223,7 @@ class Expected:
         elif t == "response_item" and pt == "message" and p.get("role") == "user":
             text = "".join(part.get("text", "") for part in p["content"])
             if not text.lstrip().startswith(CODEX_INJECTED):
-                self.users.add(norm(text))
+                self.codex_user_items[norm(text)] += 1
         elif t == "response_item" and pt in ("function_call", "custom_tool_call", "local_shell_call"):
             self.tool_uses.add(p.get("call_id") or p["id"])
         elif t == "response_item" and pt in ("function_call_output", "custom_tool_call_output"):

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from loomd.errors import BadRequest
-from loomd.protocol import ArgSpec, take_args
+from loomd.protocol import ArgSpec
 from loomd.redact import redact_value
 
 log = logging.getLogger(__name__)
@@ -85,22 +87,83 @@ def without_surrogates(text: str) -> str:
     return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
 
 
-def clean_strings(value: Any, max_chars: int, depth: int = 0) -> Any:
+MAX_LIST = 1000  # items kept of one list; the rest is counted in a marker item
+MAX_NODES = 10_000  # values kept of one payload: redaction and capture walk every one, on every event
+MAX_PAYLOAD_CHARS = 1_000_000  # characters kept of one payload's strings, all of them together
+
+
+@dataclass
+class Budget:
+    """What is left of one payload's node and character allowance while it is walked."""
+
+    nodes: int = MAX_NODES
+    chars: int = MAX_PAYLOAD_CHARS
+
+
+def _cut_string(value: str, limit: int) -> str:
+    cut = clean_cut(value, limit) if limit > 0 else 0
+    return value[:cut] + f"…[truncated {len(value) - cut} chars]"
+
+
+def clean_strings(value: Any, max_chars: int, depth: int = 0, budget: Budget | None = None) -> Any:
     """Cut long strings and too-deep branches with a marker (oversized output is kept in part, never rejected), and
-    replace lone surrogates, in keys and values alike."""
+    replace lone surrogates, in keys and values alike.
+
+    The walk is bounded: past `budget` (MAX_NODES values, MAX_PAYLOAD_CHARS characters) a map keeps a marker key
+    `…` saying how many keys were cut, a list a marker item, a string its truncation mark; nothing later (redaction,
+    capture, the stored row) ever sees more than that. Each nested map or list may use only its fair share of what
+    is left, so one huge `tool_input` cannot crowd out the `tool_response` after it.
+    """
+    budget = budget if budget is not None else Budget()
+    budget.nodes -= 1
     if isinstance(value, str):
         value = without_surrogates(value)
-        if len(value) > max_chars:
-            cut = clean_cut(value, max_chars)
-            return value[:cut] + f"…[truncated {len(value) - cut} chars]"
+        limit = min(max_chars, max(budget.chars, 0))
+        if len(value) > limit:
+            value = _cut_string(value, limit)
+        budget.chars -= len(value)
         return value
     if isinstance(value, dict | list) and depth >= MAX_DEPTH:
         return f"…[truncated: nested deeper than {MAX_DEPTH} levels]"
     if isinstance(value, dict):
-        return {without_surrogates(str(k)): clean_strings(v, max_chars, depth + 1) for k, v in value.items()}
+        out: dict[str, Any] = {}
+        containers = _containers(value.values(), budget)
+        for k, v in value.items():
+            if budget.nodes <= 0 or budget.chars <= 0:
+                out["…"] = f"…[truncated: {len(value) - len(out)} more keys]"
+                break
+            key = without_surrogates(str(k))
+            budget.chars -= len(key)
+            out[key] = _clean_child(v, max_chars, depth, budget, containers)
+            containers -= isinstance(v, dict | list)
+        return out
     if isinstance(value, list):
-        return [clean_strings(v, max_chars, depth + 1) for v in value[:1000]]
+        items: list[Any] = []
+        containers = _containers(value, budget)
+        for v in value:
+            if len(items) >= MAX_LIST or budget.nodes <= 0 or budget.chars <= 0:
+                items.append(f"…[truncated: {len(value) - len(items)} more items]")
+                break
+            items.append(_clean_child(v, max_chars, depth, budget, containers))
+            containers -= isinstance(v, dict | list)
+        return items
     return value
+
+
+def _containers(values: Iterable[Any], budget: Budget) -> int:
+    """How many of the first values (as many as the budget could visit) are maps or lists."""
+    return sum(isinstance(v, dict | list) for v in itertools.islice(values, max(budget.nodes, 0)))
+
+
+def _clean_child(value: Any, max_chars: int, depth: int, budget: Budget, containers: int) -> Any:
+    if not isinstance(value, dict | list) or containers <= 1:
+        return clean_strings(value, max_chars, depth + 1, budget)
+    share = Budget(budget.nodes // containers, budget.chars // containers)
+    nodes, chars = share.nodes, share.chars
+    cleaned = clean_strings(value, max_chars, depth + 1, share)
+    budget.nodes -= nodes - share.nodes
+    budget.chars -= chars - share.chars
+    return cleaned
 
 
 def detect_agent(hint: str, payload: dict[str, Any]) -> str:
@@ -116,9 +179,18 @@ def _short_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:20]
 
 
+PROMPT_MARK = "p:"
+BOTH_COPIES = ":both"
+
+
 def prompt_dedup(text: str) -> str:
-    """Hook prompts and transcript user lines of one session merge on this."""
-    return "p:" + _short_hash(" ".join(text.split()))
+    """Hook prompts and transcript user lines of one session pair up on this (`EventWriter`: by identity, not by
+    text alone; a row whose hook and transcript copies have both arrived carries `paired_dedup` of it)."""
+    return PROMPT_MARK + _short_hash(" ".join(text.split()))
+
+
+def paired_dedup(dedup: str) -> str:
+    return dedup + BOTH_COPIES
 
 
 def parse_hook(
@@ -129,7 +201,11 @@ def parse_hook(
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise BadRequest(f"hook payload is not valid UTF-8 (byte {exc.start})") from exc
+            # One bad byte (a tool's binary output, a cut multi-byte character) must not cost the whole event:
+            # each invalid byte becomes U+FFFD, as in the transcripts.
+            text = raw.decode("utf-8", "replace")
+            log.info("hook payload is not valid UTF-8 (first bad byte at %d); kept with U+FFFD for each bad byte",
+                     exc.start)
     else:
         text = raw
     try:
@@ -236,22 +312,3 @@ INGEST_ARGS: ArgSpec = {
 def sent_at(ms: int | None) -> float | None:
     """The shim's send time (ms) as the event's time: a spooled event keeps when it happened, not when replayed."""
     return ms / 1000 if ms is not None and 0 < ms <= LATEST_TS * 1000 else None
-
-
-def events_from_args(args: dict[str, Any], *, max_chars: int) -> list[Event]:
-    """The `ingest` op's arguments (also what the spool holds): raw hook bytes plus agent and event name, one
-    normalised `item`, or a list of `events`."""
-    a = take_args(args, INGEST_ARGS)
-    events: list[Event] = []
-    if a["raw"] is not None:
-        events.append(parse_hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=max_chars,
-                                 now=sent_at(a["sent_at"])))
-    if a["item"] is not None:
-        events.append(parse_normalised(a["item"], max_chars=max_chars))
-    for item in a["events"] or []:
-        events.append(parse_normalised(item, max_chars=max_chars))
-    if not events:
-        raise BadRequest("ingest needs 'raw' (hook bytes), 'item' (one event) or 'events' (a list)")
-    if len(events) > MAX_BATCH:
-        raise BadRequest(f"a batch holds at most {MAX_BATCH} events, got {len(events)}")
-    return events

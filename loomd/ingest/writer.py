@@ -6,14 +6,16 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiosqlite
 
 from loomd.errors import Busy
-from loomd.ingest.events import Event, events_from_args
+from loomd.ingest.events import PROMPT_MARK, Event, paired_dedup
+from loomd.ingest.parser import EventParser
 from loomd.ingest.project import project_of
 from loomd.store.db import Store
 
@@ -37,6 +39,22 @@ class Batch:
     also: Processor | None = None
 
 
+RECENT_ERRORS = 10
+
+
+@dataclass
+class Losses:
+    """Events this daemon could not store, so that no loss is silent (`status`, `loom doctor`)."""
+
+    failed: int = 0  # accepted, then the commit failed (disk full, I/O error): the submitter got the error
+    busy: int = 0  # refused at once, the queue being full: the submitter got `busy`
+    recent: deque[dict[str, float | str]] = field(default_factory=lambda: deque(maxlen=RECENT_ERRORS))
+
+    def record(self, events: int, error: BaseException) -> None:
+        self.failed += events
+        self.recent.append({"time": time.time(), "events": events, "message": str(error)[:500]})
+
+
 class EventWriter:
     """Group commit: concurrent submitters share one transaction; each gets its ack only after COMMIT."""
 
@@ -48,6 +66,8 @@ class EventWriter:
         self.processors: list[Processor] = []
         self.listeners: list[Listener] = []
         self.committed = 0
+        self.parser = EventParser()
+        self.losses = Losses()
 
     @property
     def depth(self) -> int:
@@ -63,6 +83,7 @@ class EventWriter:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.to_thread(self.parser.close)
 
     async def submit(self, events: list[Event], also: Processor | None = None) -> list[Event]:
         """Resolve projects, queue, and wait for the commit. A full queue answers Busy at once.
@@ -77,12 +98,13 @@ class EventWriter:
         try:
             self._queue.put_nowait(Batch(events, future, also))
         except asyncio.QueueFull:
+            self.losses.busy += len(events)
             raise Busy("the daemon is overloaded; spool the event and retry") from None
         return await asyncio.shield(future)
 
     async def submit_args(self, args: dict[str, Any], *, max_chars: int) -> list[Event]:
         """The `ingest` op, and the spool's replay of what the shim wrote: parse, then commit; acked after COMMIT."""
-        events = events_from_args(args, max_chars=max_chars)
+        events = await self.parser.events_from_args(args, max_chars=max_chars)
         await self.submit(events)
         return events
 
@@ -130,6 +152,7 @@ class EventWriter:
                     await self._commit([item], derive=False)
             except Exception as exc:  # noqa: BLE001 - reported to this submitter only
                 log.error("could not commit %d event(s); none of them was acknowledged: %s", len(item.events), exc)
+                self.losses.record(len(item.events), exc)
                 failed[id(item)] = exc
         return failed
 
@@ -140,10 +163,7 @@ class EventWriter:
             stored: list[Event] = []
             for event in events:
                 event.stored = False
-                # execute_fetchall: one trip to the writer's thread where execute, fetch and close take three.
-                if event.dedup and await db.execute_fetchall(
-                        "SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
-                        (event.session_id, event.dedup)):
+                if event.dedup and await is_copy(db, event):
                     continue
                 payload = json.dumps(event.payload, ensure_ascii=False)
                 cur = await db.execute(
@@ -176,3 +196,28 @@ class EventWriter:
                 if item.also is not None:
                     await item.also(db, item.events)
         self.committed += len(stored)
+
+
+async def is_copy(db: aiosqlite.Connection, event: Event) -> bool:
+    """Whether `event` is another copy of a stored one: a hook event and its transcript line (one tool call, one
+    prompt) are stored once.
+
+    A tool call has an identity (its id). A prompt has only its text, and "continue" typed three times is three
+    prompts: so each copy pairs with one copy from the other source (the nearest in time not yet paired), and the
+    pair is marked (`paired_dedup`). Three hook copies and three transcript copies make three rows, whichever
+    arrives first; a copy that never arrives (a lost hook) costs nothing but its pairing.
+    """
+    assert event.dedup is not None
+    # execute_fetchall: one trip to the writer's thread where execute, fetch and close take three.
+    if not event.dedup.startswith(PROMPT_MARK):
+        return bool(await db.execute_fetchall("SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
+                                              (event.session_id, event.dedup)))
+    if await db.execute_fetchall("SELECT 1 FROM events WHERE key = ?", (event.key,)):
+        return True  # this very copy again (a spool replay, a re-read line): it must not take another's pair
+    other = list(await db.execute_fetchall(
+        "SELECT id FROM events WHERE session_id = ? AND dedup = ? AND source != ? ORDER BY abs(ts - ?), id LIMIT 1",
+        (event.session_id, event.dedup, event.source, event.ts)))
+    if not other:
+        return False
+    await db.execute("UPDATE events SET dedup = ? WHERE id = ?", (paired_dedup(event.dedup), other[0][0]))
+    return True

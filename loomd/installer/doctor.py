@@ -23,7 +23,7 @@ from loomd.config import Config, load_config
 from loomd.errors import LoomdError
 from loomd.installer import services
 from loomd.installer.plugin import PINNED_PYTHON, PREAMBLE
-from loomd.store.db import connect_sync
+from loomd.store.db import NewerSchema, check_schema_version, connect_sync, damaged_fts, integrity_problems, rebuild_fts
 from loomd.trust import problem_with, user_name
 
 HOOK_MARKERS = ("loom-hook", "loom_hook")
@@ -174,13 +174,20 @@ def check_database(c: Checkup) -> Finding:
     except LoomdError as exc:
         return fail("database", str(exc), f"{sys.executable} -m pip install sqlean.py sqlite-vec")
     try:
-        result = conn.execute("PRAGMA quick_check").fetchone()[0]
+        check_schema_version(conn, db)
+        problems = integrity_problems(conn)
+    except NewerSchema as exc:
+        return fail("database", str(exc), "upgrade loomd to the version that wrote it")
     except Exception as exc:  # noqa: BLE001 - any driver error is a finding, not a crash
         return fail("database", f"{db}: {exc}", f"stop loomd, move {db} aside, restart loomd")
     finally:
         conn.close()
-    if result != "ok":
-        return fail("database", f"{db}: integrity check says {result}", f"stop loomd, move {db} aside, restart")
+    if problems and damaged_fts(problems):
+        return fail("database", f"{db}: the full-text index is damaged ({'; '.join(problems)[:200]}); the tables are "
+                    "sound", "loom doctor --repair (rebuilds it from the tables; so does the daemon when it starts)")
+    if problems:
+        return fail("database", f"{db}: integrity check says {'; '.join(problems)[:300]}",
+                    f"stop loomd, move {db} aside, restart")
     size = sum(p.stat().st_size for p in (db, db.with_name(db.name + "-wal")) if p.exists())
     return ok("database", f"{db} ({size / 1e6:.1f} MB) passes its integrity check")
 
@@ -193,6 +200,67 @@ def _ages(files: list[Path]) -> list[float]:
         except OSError:
             continue
     return ages
+
+
+def repair_database(config: Config) -> Finding:
+    """`loom doctor --repair`: rebuild a damaged full-text index from the tables (the daemon may keep running)."""
+    db = config.paths.db
+    if not db.exists():
+        return ok("repair", f"{db} does not exist: nothing to repair")
+    conn = connect_sync(db)
+    try:
+        check_schema_version(conn, db)
+        problems = integrity_problems(conn)
+        damaged = damaged_fts(problems)
+        if problems and not damaged:
+            return fail("repair", f"{db}: damage beyond the derived indexes ({'; '.join(problems)[:200]})",
+                        f"stop loomd, move {db} aside (or restore a backup), restart")
+        if damaged:
+            rebuild_fts(conn, damaged)
+            problems = integrity_problems(conn)
+    except LoomdError as exc:
+        return fail("repair", str(exc), "upgrade loomd to the version that wrote it")
+    finally:
+        conn.close()
+    if problems:
+        return fail("repair", f"{db}: still damaged after the rebuild ({'; '.join(problems)[:200]})",
+                    f"stop loomd, move {db} aside (or restore a backup), restart")
+    return ok("repair", f"rebuilt {', '.join(damaged)} from the tables" if damaged else "nothing to repair")
+
+
+LOW_DISK_BYTES = 200 * 1024 * 1024
+RECENT_FAILURE_S = 3_600
+
+
+def check_storage(c: Checkup) -> Finding:
+    """Events that could not be stored, and the free space of the data folder (a full disk loses events)."""
+    name = "storage"
+    data = c.config.paths.db.parent
+    try:
+        free = shutil.disk_usage(data).free
+    except OSError as exc:
+        return fail(name, f"cannot read the free space of {data}: {exc}", f"check that {data} exists and is yours")
+    space = f"{free / 1e6:.0f} MB free on {data}"
+    status = c.status() or {}
+    storage = status.get("storage") or {}
+    recent = storage.get("recent_errors") or []
+    failed, busy = int(storage.get("commit_failed") or 0), int(storage.get("busy_refused") or 0)
+    if failed and recent:
+        last = recent[-1]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(last.get("time", 0))))
+        detail = (f"{failed} event(s) could not be committed since the daemon started; last at {when}: "
+                  f"{str(last.get('message'))[:200]}; {space}")
+        fix = (f"free space on the disk holding {data} (`df -h {shlex.quote(str(data))}`); the shim spooled what it "
+               "could and the daemon replays it")
+        recent_enough = time.time() - float(last.get("time", 0)) < RECENT_FAILURE_S
+        return fail(name, detail, fix) if recent_enough else warn(name, detail, fix)
+    if free < LOW_DISK_BYTES:
+        return fail(name, f"only {space}: commits fail when it runs out",
+                    f"free space on the disk holding {data} (`df -h {shlex.quote(str(data))}`)")
+    if busy:
+        return warn(name, f"{busy} event(s) refused as busy since the daemon started (the shim spooled them); {space}",
+                    "see `loom status` (queue depth, in flight); raise max_inflight if it keeps happening")
+    return ok(name, f"no failed commits; {space}")
 
 
 def check_spool(c: Checkup) -> Finding:
@@ -566,18 +634,18 @@ def check_model_endpoint(c: Checkup) -> Finding:
 CHECKS: list[Callable[[Checkup], Finding]] = [
     check_interpreter, check_extensions, check_embedder, check_socket, check_permissions, check_service,
     check_claude_hooks, check_codex_hooks, check_spool, check_spool_temp, check_tasks, check_tailers, check_database,
-    check_workers,
-    check_model_endpoint,
+    check_storage, check_workers, check_model_endpoint,
 ]
 
 
-def run_checks(config: Config | None = None, env: dict[str, str] | None = None) -> list[Finding]:
+def run_checks(config: Config | None = None, env: dict[str, str] | None = None, *, repair: bool = False
+               ) -> list[Finding]:
     try:
         config = config or load_config()
     except LoomdError as exc:
         return [fail("config", str(exc), "fix the config file or the LOOMD_* variables")]
     checkup = Checkup(config, dict(os.environ if env is None else env))
-    findings = []
+    findings = [repair_database(config)] if repair else []
     for check in CHECKS:
         try:
             findings.append(check(checkup))

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import sqlite3
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -68,9 +69,23 @@ def ensure_private_file(path: Path) -> None:
         os.close(fd)
 
 
-def migrate(conn: sqlite3.Connection) -> int:
+class NewerSchema(StorageError):
+    """The database was written by a newer loomd: an older one must not touch it."""
+
+
+def check_schema_version(conn: sqlite3.Connection, path: Path | str) -> int:
+    """The database's schema version; NewerSchema when it is past what this loomd knows (never written then)."""
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if version > len(MIGRATIONS):
+        raise NewerSchema(
+            f"database {path} has schema version {version}, newer than this loomd knows ({len(MIGRATIONS)}): a "
+            "newer loomd wrote it. Run that newer loomd (upgrade this one); loomd will not open or write it")
+    return version
+
+
+def migrate(conn: sqlite3.Connection, path: Path | str) -> int:
     """Apply pending migrations, each in its own transaction; return the schema version."""
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    version = check_schema_version(conn, path)
     for number, step in enumerate(MIGRATIONS[version:], start=version + 1):
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -92,14 +107,22 @@ def open_checked(path: Path, *, busy_timeout_ms: int = 5000) -> sqlite3.Connecti
     conn = connect_sync(path, busy_timeout_ms=busy_timeout_ms)
     try:
         if existed:
-            result = conn.execute("PRAGMA quick_check").fetchone()[0]
-            if result != "ok":
-                detail = " ".join(str(result).split())[:300]
+            check_schema_version(conn, path)
+            problems = integrity_problems(conn)
+            damaged = damaged_fts(problems)
+            if damaged:
+                # The full-text index is derived from the memories table: rebuilt, it is as good as new.
+                log.warning("the full-text index of %s is damaged (%s); rebuilding it from the tables", path,
+                            "; ".join(problems)[:300])
+                rebuild_fts(conn, damaged)
+                problems = integrity_problems(conn)
+            if problems:
+                detail = " ".join(" ".join(problems).split())[:300]
                 raise StorageError(f"database {path} failed its integrity check ({detail}); {KEEP_IT}")
         conn.execute("PRAGMA journal_mode = WAL")
         # FULL: an acknowledged event must survive a power cut, not only a crash; group commit pays for it.
         conn.execute("PRAGMA synchronous = FULL")
-        migrate(conn)
+        migrate(conn, path)
     except DB_ERRORS as exc:
         conn.close()
         raise StorageError(f"database {path} cannot be used ({exc}); {KEEP_IT}") from exc
@@ -107,6 +130,37 @@ def open_checked(path: Path, *, busy_timeout_ms: int = 5000) -> sqlite3.Connecti
         conn.close()
         raise
     return conn
+
+
+_FTS_PROBLEM = re.compile(r"\bFTS5 table (?:main\.)?(\w+)")
+
+
+def integrity_problems(conn: sqlite3.Connection) -> list[str]:
+    """What `PRAGMA quick_check` finds wrong (it checks the FTS5 indexes too); empty when the file is sound."""
+    rows = [str(r[0]) for r in conn.execute("PRAGMA quick_check").fetchall()]
+    return [] if rows == ["ok"] else rows
+
+
+def damaged_fts(problems: list[str]) -> list[str]:
+    """The FTS5 tables to rebuild when they are all that is wrong; empty when anything else is damaged too."""
+    tables = [m.group(1) if (m := _FTS_PROBLEM.search(p)) else None for p in problems]
+    if not tables or None in tables:
+        return []
+    return sorted({t for t in tables if t})
+
+
+def rebuild_fts(conn: sqlite3.Connection, tables: list[str]) -> None:
+    """Rebuild external-content FTS5 indexes from their tables, in one transaction."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for table in tables:
+            if not re.fullmatch(r"\w+", table):
+                raise ValueError(f"not a table name: {table!r}")
+            conn.execute(f"INSERT INTO {table}({table}) VALUES ('rebuild')")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 _HINTS = {"SQLITE_IOERR": "is the disk full, or a file-size limit reached?", "SQLITE_FULL": "the disk is full",

@@ -1,0 +1,112 @@
+"""Parse, clean and redact incoming events off the event loop, so no payload stalls the other clients.
+
+A small hook payload is parsed on the loop (a thread hop would cost more than the work). A larger one goes to a
+thread: cleaning and redaction are Python, and the interpreter hands the GIL back to the loop every switch interval
+(`daemon.GIL_SWITCH_INTERVAL_S`). But `json.loads` is one C call that keeps the GIL until the whole document is
+built (about 70 ms for 200k keys), so a payload that may hold more than THREAD_NODES values is parsed in a child
+process, which sends back only the event as cut to `events.MAX_NODES` values: the loop never waits on the big parse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from loomd.errors import BadRequest
+from loomd.ingest.events import INGEST_ARGS, MAX_BATCH, Event, parse_hook, parse_normalised, sent_at
+from loomd.protocol import take_args
+
+log = logging.getLogger(__name__)
+
+INLINE_BYTES = 4096  # parsed where it arrives: a few hundred values at most
+# Values a hook payload may hold before its JSON parse leaves the process: json.loads of this many takes ~1 ms.
+THREAD_NODES = 20_000
+CHILD_NICE = 10
+
+
+def value_bound(raw: bytes | str) -> int:
+    """An upper bound on the JSON values in `raw`: every value but the first follows a ',' a ':' or a '['.
+
+    C-speed (about 1 ms per 3 MB); separators inside strings count too, which only errs towards the safe side.
+    """
+    if isinstance(raw, str):
+        return raw.count(",") + raw.count(":") + raw.count("[") + 1
+    return raw.count(b",") + raw.count(b":") + raw.count(b"[") + 1
+
+
+class EventParser:
+    """Turns hook bytes and `ingest` arguments into Events off the loop; owns the child process for big payloads."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self.in_process = 0  # payloads parsed in the child, for status
+
+    async def hook(self, agent: str, event_name: str, raw: bytes | str, eid: str | None, *, max_chars: int,
+                   now: float | None = None) -> Event:
+        """`events.parse_hook`, on the loop, a thread or the child process depending on the payload's size."""
+        if len(raw) <= INLINE_BYTES:
+            return parse_hook(agent, event_name, raw, eid, max_chars=max_chars, now=now)
+        parsed = await asyncio.to_thread(_parse_unless_big, agent, event_name, raw, eid, max_chars, now)
+        if parsed is not None:
+            return parsed
+        return await self._in_child(agent, event_name, raw, eid, max_chars, now)
+
+    async def events_from_args(self, args: dict[str, Any], *, max_chars: int) -> list[Event]:
+        """The `ingest` op's arguments (also what the spool holds): raw hook bytes plus agent and event name, one
+        normalised `item`, or a list of `events`."""
+        a = take_args(args, INGEST_ARGS)
+        if a["events"] is not None and len(a["events"]) > MAX_BATCH:
+            raise BadRequest(f"a batch holds at most {MAX_BATCH} events, got {len(a['events'])}")
+        events: list[Event] = []
+        if a["raw"] is not None:
+            events.append(await self.hook(a["agent"], a["event"], a["raw"], a["eid"], max_chars=max_chars,
+                                          now=sent_at(a["sent_at"])))
+        items = ([a["item"]] if a["item"] is not None else []) + list(a["events"] or [])
+        if items:
+            # Already decoded (msgpack); cleaning and redaction are Python, which a thread interleaves with the loop.
+            events.extend(await asyncio.to_thread(lambda: [parse_normalised(i, max_chars=max_chars) for i in items]))
+        if not events:
+            raise BadRequest("ingest needs 'raw' (hook bytes), 'item' (one event) or 'events' (a list)")
+        return events
+
+    def start(self) -> None:
+        """Start the child now, before any client is served: starting it holds the interpreter lock 20-50 ms
+        (measured; a thread does not help), which a client would otherwise feel on the first big payload."""
+        self._child().submit(int)
+
+    def _child(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._pool is None:
+            # spawn, not fork: the daemon has threads (SQLite, embeddings) a forked child would inherit mid-lock.
+            # Niced: on a busy machine the child's parse must not take the CPU the event loop needs.
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(CHILD_NICE,))
+        return self._pool
+
+    async def _in_child(self, agent: str, event_name: str, raw: bytes | str, eid: str | None, max_chars: int,
+                        now: float | None) -> Event:
+        self.in_process += 1
+        try:
+            return await asyncio.wrap_future(self._child().submit(
+                parse_hook, agent, event_name, raw, eid, max_chars=max_chars, now=now))
+        except BrokenProcessPool:
+            self._pool = None  # a fresh child for the next payload
+            log.error("the payload parser process died on a %d-byte hook payload", len(raw))
+            raise BadRequest(f"the {len(raw)}-byte hook payload could not be parsed: the parser process died") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def _parse_unless_big(agent: str, event_name: str, raw: bytes | str, eid: str | None, max_chars: int,
+                      now: float | None) -> Event | None:
+    """In a thread: the event, or None when the payload may hold too many values to parse in this process."""
+    if value_bound(raw) > THREAD_NODES:
+        return None
+    return parse_hook(agent, event_name, raw, eid, max_chars=max_chars, now=now)
