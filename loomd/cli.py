@@ -464,20 +464,18 @@ def import_(sources: tuple[str, ...], yes: bool, since: str | None, project: str
     todo = [f for f in plan["files"] if force or not f["imported"]]
     if not as_json:
         click.echo(_import_plan(plan["summary"]))
-    if dry_run or not todo:
+    if dry_run:
         if as_json:
             _emit(plan, True, str)
-        elif not todo:
-            click.echo("nothing to import")
         return
-    if not yes:
+    if todo and not yes:
         if not sys.stdin.isatty():
             raise click.ClickException("not a terminal, so no one can confirm: run `loom import --yes` to import")
         click.confirm(f"Import {len(todo)} file(s)?", abort=True, err=True)
-    result = _import_files(todo, force)
+    result = _import_files(todo, force, skipped=len(plan["files"]) - len(todo))
     _emit(result, as_json, lambda r: (
         f"imported {r['files']} file(s): {r['events']} events read, {r['stored']} new"
-        f" ({r['skipped']} unchanged since an earlier import, {len(r['failed'])} failed)"
+        f" ({r['skipped']} file(s) unchanged since an earlier import, {len(r['failed'])} failed)"
         + "".join(f"\n  failed: {f['path']}: {f['error']}" for f in r["failed"])
         + "\nembedding and observation catch up in the background: see `loom status`"))
     if result["failed"]:
@@ -508,11 +506,13 @@ def _import_plan(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _import_files(files: list[dict[str, Any]], force: bool) -> dict[str, Any]:
+def _import_files(files: list[dict[str, Any]], force: bool, skipped: int) -> dict[str, Any]:
     """One `import_file` call per file, so the daemon serves hooks between files; a bar on a terminal only."""
     from tqdm import tqdm
 
-    done: dict[str, Any] = {"files": 0, "events": 0, "stored": 0, "skipped": 0, "failed": []}
+    done: dict[str, Any] = {"files": 0, "events": 0, "stored": 0, "skipped": skipped, "failed": []}
+    if not files:
+        return done
     bar = tqdm(total=sum(f["bytes"] for f in files), unit="B", unit_scale=True, desc="importing",
                disable=not sys.stderr.isatty(), file=sys.stderr)
     try:
