@@ -477,7 +477,8 @@ def import_(sources: tuple[str, ...], yes: bool, since: str | None, project: str
         f"imported {r['files']} file(s): {r['events']} events read, {r['stored']} new"
         f" ({r['skipped']} file(s) unchanged since an earlier import, {len(r['failed'])} failed)"
         + "".join(f"\n  failed: {f['path']}: {f['error']}" for f in r["failed"])
-        + "\nembedding and observation catch up in the background: see `loom status`"))
+        + "\nembedding and observation catch up in the background: `loom status --json` (embedder.pending), "
+          "`loom workers`"))
     if result["failed"]:
         sys.exit(1)
 
