@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from loomd.client import Client
+from loomd.client import Client, RemoteError
 from loomd.config import load_config
 from loomd.errors import LoomdError
 
@@ -454,3 +454,111 @@ def workers_run(name: str, session_id: str | None, project: str | None, dry_run:
             lines.append(f"  {item['action']:<22} #{item.get('id', '-'):<6} {label:<10} {text[:150]}")
         return "\n".join(lines)
     _emit(data, as_json, human)
+
+
+@main.command("import")
+@click.argument("sources", nargs=-1)
+@click.option("--yes", "-y", is_flag=True, help="import without asking")
+@click.option("--since", default=None, help="only sessions active on or after this date (YYYY-MM-DD or ISO time)")
+@click.option("--project", default=None, help="only sessions whose folder contains this text")
+@click.option("--dry-run", is_flag=True, help="show what would be imported, import nothing")
+@click.option("--force", is_flag=True, help="read again files an earlier import finished (stores only what is new)")
+@json_option
+def import_(sources: tuple[str, ...], yes: bool, since: str | None, project: str | None, dry_run: bool,
+            force: bool, as_json: bool) -> None:
+    """Import existing Claude Code and Codex history: SOURCES are `claude`, `codex` (both by default) or paths.
+
+    Claude Code's is under $CLAUDE_CONFIG_DIR or ~/.claude (projects/), Codex's under $CODEX_HOME or ~/.codex
+    (sessions/). Sessions hooks already captured are not stored twice; a re-run (after a kill too) resumes."""
+    named = [s if s in ("claude", "codex") else os.path.abspath(os.path.expanduser(s)) for s in sources]
+    plan = _call("import_scan", {
+        "sources": named or ["claude", "codex"], "since": _since(since), "project": project,
+        "claude_dir": os.environ.get("CLAUDE_CONFIG_DIR") or os.path.expanduser("~/.claude"),
+        "codex_dir": os.environ.get("CODEX_HOME") or os.path.expanduser("~/.codex"),
+    }, timeout=600.0)
+    todo = [f for f in plan["files"] if force or not f["imported"]]
+    if not as_json:
+        click.echo(_import_plan(plan["summary"]))
+    if dry_run:
+        if as_json:
+            _emit(plan, True, str)
+        return
+    if todo and not yes:
+        if not sys.stdin.isatty():
+            raise click.ClickException("not a terminal, so no one can confirm: run `loom import --yes` to import")
+        click.confirm(f"Import {len(todo)} file(s)?", abort=True, err=True)
+    result = _import_files(todo, force, skipped=len(plan["files"]) - len(todo))
+    _emit(result, as_json, lambda r: (
+        f"imported {r['files']} file(s): {r['events']} events read, {r['stored']} new"
+        f" ({r['skipped']} file(s) unchanged since an earlier import, {len(r['failed'])} failed)"
+        + "".join(f"\n  failed: {f['path']}: {f['error']}" for f in r["failed"])
+        + "\nembedding and observation catch up in the background: `loom status --json` (embedder.pending), "
+          "`loom workers`"))
+    if result["failed"]:
+        sys.exit(1)
+
+
+def _since(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a date (YYYY-MM-DD or an ISO time)", param_hint="--since") from None
+    return when.timestamp()
+
+
+def _import_plan(s: dict[str, Any]) -> str:
+    agents = ", ".join(f"{n} {a}" for a, n in s["agents"].items() if n)
+    lines = [f"found {s['sessions']} session(s) ({agents or 'none'}) in {s['projects']} project(s): {s['files']} "
+             f"file(s), {s['bytes'] / 1e6:.1f} MB, ~{s['events_estimate']} events, "
+             f"{_day(s['first_ts'])} .. {_day(s['last_ts'])}"]
+    for name, p in list(s["by_project"].items())[:10]:
+        lines.append(f"  {p['sessions']:>5} session(s) ~{p['events']:>7} events  {name}")
+    if len(s["by_project"]) > 10:
+        lines.append(f"  ... and {len(s['by_project']) - 10} more project(s)")
+    if s["imported_files"]:
+        lines.append(f"{s['imported_files']} file(s) unchanged since an earlier import are skipped")
+    return "\n".join(lines)
+
+
+def _import_files(files: list[dict[str, Any]], force: bool, skipped: int) -> dict[str, Any]:
+    """One `import_file` call per file, so the daemon serves hooks between files; a bar on a terminal only."""
+    from tqdm import tqdm
+
+    done: dict[str, Any] = {"files": 0, "events": 0, "stored": 0, "skipped": skipped, "failed": []}
+    if not files:
+        return done
+    bar = tqdm(total=sum(f["bytes"] for f in files), unit="B", unit_scale=True, desc="importing",
+               disable=not sys.stderr.isatty(), file=sys.stderr)
+    try:
+        with Client(timeout=600.0) as client:
+            for f in files:
+                try:
+                    r = _import_one(client, f["path"], force)
+                except RemoteError as exc:
+                    done["failed"].append({"path": f["path"], "error": str(exc)})
+                else:
+                    done["files"] += 1
+                    done["skipped"] += r["skipped"]
+                    done["events"] += r["events"]
+                    done["stored"] += r["stored"]
+                bar.update(f["bytes"])
+                bar.set_postfix(events=done["events"], new=done["stored"], refresh=False)
+    except (LoomdError, OSError) as exc:
+        raise click.ClickException(f"the import stopped after {done['files']} file(s): {exc}. Run `loom import` "
+                                   "again to resume: finished files are skipped, nothing is stored twice") from exc
+    finally:
+        bar.close()
+    return done
+
+
+def _import_one(client: Client, path: str, force: bool) -> dict[str, Any]:
+    for wait in (0.1, 0.5, 2.0, 5.0):
+        try:
+            return dict(client.call("import_file", {"path": path, "force": force}))
+        except RemoteError as exc:
+            if exc.code != "busy":
+                raise
+            time.sleep(wait)  # the daemon's queue is full of live events: they come first
+    return dict(client.call("import_file", {"path": path, "force": force}))

@@ -30,6 +30,7 @@ from loomd.config import Config, load_config
 from loomd.context.planner import Planner
 from loomd.errors import LoomdError
 from loomd.ingest.capture import Capturer
+from loomd.ingest.history import HistoryImporter
 from loomd.ingest.spool import Spool
 from loomd.ingest.tailer import Tailer
 from loomd.ingest.writer import EventWriter
@@ -151,7 +152,8 @@ class Daemon:
             raise StartupError(f"cannot create {paths.spool}: {exc.strerror or exc}") from None
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
-            planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime))
+            planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,
+            history=HistoryImporter(self.store, self.tailer)))
         self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
                              max_inflight=self.config.max_inflight)
         if self.listen_sock is not None:

@@ -16,6 +16,7 @@ from loomd.config import Config
 from loomd.context.planner import Planner
 from loomd.errors import BadRequest, Busy
 from loomd.ingest.events import INGEST_ARGS, LATEST_TS, sent_at
+from loomd.ingest.history import HistoryImporter
 from loomd.ingest.project import project_of
 from loomd.ingest.writer import EventWriter
 from loomd.protocol import REQUIRED, ArgSpec, takes
@@ -49,6 +50,7 @@ class Services:
     # The running daemon's own facts for `status`: pid, uptime, socket, spool backlog and spool health, in-flight
     # requests, embedder and tailer state, and the health of each background task.
     runtime: Callable[[], dict[str, Any]]
+    history: HistoryImporter  # `loom import`: the scan of existing Claude Code / Codex history, one file at a time
 
 
 class Ops:
@@ -141,6 +143,20 @@ class Ops:
         finally:
             await asyncio.shield(written)
         return {"stored": int(event.stored), "stdout": stdout}
+
+    @takes({"sources": (list, ["claude", "codex"]), "claude_dir": (str, None), "codex_dir": (str, None),
+            "since": (float, None), "project": (str, None)})
+    async def handle_import_scan(self, a: dict[str, Any]) -> dict[str, Any]:
+        """What `loom import` would read: each transcript file found, and a summary; reads and writes nothing else."""
+        if not all(isinstance(s, str) and s for s in a["sources"]):
+            raise BadRequest("'sources' must be a list of 'claude', 'codex' or absolute paths")
+        return await self.s.history.scan(a["sources"], claude_dir=a["claude_dir"], codex_dir=a["codex_dir"],
+                                         since=a["since"], project=a["project"])
+
+    @takes({"path": (str, REQUIRED), "force": (bool, False)})
+    async def handle_import_file(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Import one transcript file through the tailer's parsers; a file imported before (unchanged) is skipped."""
+        return await self.s.history.import_path(a["path"], force=a["force"])
 
     @takes(INGEST_ARGS)
     async def handle_ingest(self, a: dict[str, Any]) -> dict[str, Any]:

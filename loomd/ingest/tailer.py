@@ -649,15 +649,17 @@ class Tailer:
 
     # --- one-shot import and status --------------------------------------------------------------------------
 
-    async def import_file(self, path: str | Path, *, session_id: str | None = None,
-                          cwd: str | None = None) -> dict[str, Any]:
-        """Ingest a whole session file once (a chat.json array, or a finished JSONL); repeating it stores nothing."""
+    async def import_file(self, path: str | Path, *, session_id: str | None = None, cwd: str | None = None,
+                          also: Processor | None = None) -> dict[str, Any]:
+        """Ingest a whole session file once (a chat.json array, or a finished JSONL); repeating it stores nothing.
+
+        `also` commits with the file's last events (`loom import` records the file as done there)."""
         p = Path(path)
         fmt, events = await asyncio.to_thread(self._import_events, p, session_id, cwd)
         stored = 0
-        for i in range(0, len(events), BATCH_EVENTS):
-            part = events[i:i + BATCH_EVENTS]
-            await self.writer.submit(part)
+        parts = [events[i:i + BATCH_EVENTS] for i in range(0, len(events), BATCH_EVENTS)] or [[]]
+        for n, part in enumerate(parts):
+            await self.writer.submit(part, also=also if n == len(parts) - 1 else None)
             stored += sum(e.stored for e in part)
         return {"path": str(p), "format": fmt, "events": len(events), "stored": stored,
                 "sessions": sorted({e.session_id for e in events})}

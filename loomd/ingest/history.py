@@ -1,0 +1,289 @@
+"""`loom import`: find the sessions a user had before loomd (Claude Code and Codex history), describe them, and
+import them one file at a time through the tailer's own one-shot import.
+
+Where: Claude Code keeps `<config>/projects/<folder>/<session>.jsonl` (config = `$CLAUDE_CONFIG_DIR` or
+`~/.claude`), with subagent files under `<session>/subagents/` (2.1.x) or as `agent-*.jsonl` siblings (2.0.x);
+Codex keeps `<home>/sessions/YYYY/MM/DD/rollout-*.jsonl` (home = `$CODEX_HOME` or `~/.codex`). The CLI resolves
+those folders from its own environment and sends them: the daemon may run under a service manager with another one.
+
+Why through `Tailer.import_file`: the same parsers and the same event keys as tailing, so a session hooks or the
+tailer already captured is not stored twice, and a re-run stores nothing. A file whose import finished is recorded
+in the checkpoint `import:<path>` ({size, mtime_ns, ino}) in the transaction of its last events, so a re-run after a
+kill skips what is done and re-reads only the file it was in (whose events are already keyed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import aiosqlite
+
+from loomd.errors import BadRequest
+from loomd.ingest.events import Event
+from loomd.ingest.tailer import Tailer
+from loomd.ingest.transcript import Format, detect_format
+from loomd.ingest.transcript import _ts as transcript_ts
+from loomd.ingest.writer import Processor
+from loomd.store.db import Store
+
+Agent = Literal["claude", "codex"]
+SOURCES: tuple[Agent, ...] = ("claude", "codex")
+HEAD_LINES = 50  # where a session states its folder, id and start
+TAIL_BYTES = 64 << 10  # where it states its end
+CHECKPOINT = "import:"
+_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+@dataclass
+class HistoryFile:
+    """One transcript file found, as `import_scan` describes it."""
+
+    path: str
+    agent: Agent
+    format: Format
+    session_id: str
+    project: str  # the session's working folder when the file says, else the folder Claude filed it under
+    subagent: bool
+    bytes: int
+    lines: int  # the estimate of its events: one per line, the usual case
+    first_ts: float | None
+    last_ts: float | None
+    imported: bool  # a finished import of this very file (same size, time and inode) is on record
+
+
+def history_sources(sources: Sequence[str], claude_dir: str | None, codex_dir: str | None) -> list[Path]:
+    """The files named by `claude`, `codex` and paths (files, or folders searched for `*.jsonl`), sorted, once each."""
+    found: set[Path] = set()
+    for source in sources:
+        if source == "claude":
+            found.update(_jsonl_under(_root(claude_dir or os.environ.get("CLAUDE_CONFIG_DIR"), "~/.claude")
+                                      / "projects"))
+        elif source == "codex":
+            found.update(_jsonl_under(_root(codex_dir or os.environ.get("CODEX_HOME"), "~/.codex") / "sessions"))
+        else:
+            path = Path(source).expanduser()
+            if not path.is_absolute():
+                raise BadRequest(f"{source!r}: a path to import must be absolute (the daemon has its own folder)")
+            if path.is_dir():
+                found.update(_jsonl_under(path))
+            elif path.is_file():
+                found.add(path)
+            else:
+                raise BadRequest(f"{source!r} is neither 'claude', 'codex' nor an existing file or folder")
+    return sorted(found)
+
+
+def _root(configured: str | None, default: str) -> Path:
+    return Path(os.path.abspath(os.path.expanduser(configured or default)))
+
+
+def _jsonl_under(folder: Path) -> Iterable[Path]:
+    if not folder.is_dir():
+        return []
+    return (p for p in folder.rglob("*.jsonl") if p.is_file())
+
+
+def describe(path: Path, done: dict[str, Any] | None) -> HistoryFile | None:
+    """What one file holds, from its first lines and its last ones; None for a file that is no transcript."""
+    fmt = detect_format(path)
+    if fmt is None:
+        return None
+    st = path.stat()
+    head = _head(path, fmt)
+    agent: Agent = "codex" if fmt == "codex" else "claude"
+    session_id = cwd = ""
+    first_ts = last_ts = None
+    for obj in head:
+        raw_payload = obj.get("payload")
+        payload: dict[str, Any] = raw_payload if isinstance(raw_payload, dict) else {}
+        if not session_id:
+            session_id = _text(obj.get("sessionId")) or (
+                _text(payload.get("id")) if obj.get("type") == "session_meta" else "")
+        cwd = cwd or _text(obj.get("cwd")) or _text(payload.get("cwd"))
+        first_ts = first_ts or _ts(obj.get("timestamp"))
+    for obj in reversed(_tail(path) if fmt != "claude_array" else head):
+        last_ts = _ts(obj.get("timestamp"))
+        if last_ts:
+            break
+    if not session_id:
+        m = _UUID_RE.search(path.name)
+        session_id = m.group(0) if m else path.stem
+    subagent = agent == "claude" and path.name.startswith("agent-")
+    folder = path.parent.parent.parent if path.parent.name == "subagents" else path.parent
+    return HistoryFile(
+        path=str(path), agent=agent, format=fmt, session_id=session_id, project=cwd or folder.name,
+        subagent=subagent, bytes=st.st_size, lines=len(head) if fmt == "claude_array" else _count_lines(path),
+        first_ts=first_ts, last_ts=last_ts or first_ts or st.st_mtime, imported=_same_file(done, st),
+    )
+
+
+def _head(path: Path, fmt: Format) -> list[dict[str, Any]]:
+    if fmt == "claude_array":
+        data = json.loads(path.read_bytes())  # detect_format has parsed it already: it is a list
+        return [o for o in data if isinstance(o, dict)]
+    out: list[dict[str, Any]] = []
+    with path.open("rb") as fh:
+        for _, raw in zip(range(HEAD_LINES), fh, strict=False):
+            obj = _loads(raw)
+            if obj is not None:
+                out.append(obj)
+    return out
+
+
+def _tail(path: Path) -> list[dict[str, Any]]:
+    with path.open("rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, size - TAIL_BYTES))
+        lines = fh.read().split(b"\n")
+    if size > TAIL_BYTES:
+        lines = lines[1:]  # the first piece is the end of a line cut in the middle
+    return [o for o in map(_loads, lines) if o is not None]
+
+
+def _count_lines(path: Path) -> int:
+    n, last = 0, b"\n"
+    with path.open("rb") as fh:
+        while block := fh.read(1 << 20):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")
+
+
+def _loads(raw: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _ts(value: Any) -> float | None:
+    return transcript_ts(value) or None  # the stored events' own reading of a timestamp
+
+
+def _fingerprint(st: os.stat_result) -> dict[str, int]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+
+def _same_file(done: dict[str, Any] | None, st: os.stat_result) -> bool:
+    return done is not None and {k: done.get(k) for k in ("size", "mtime_ns", "ino")} == _fingerprint(st)
+
+
+def select(files: Iterable[HistoryFile], *, since: float | None, project: str | None) -> list[HistoryFile]:
+    """`--since` keeps sessions active on or after that time; `--project` those whose folder contains the text."""
+    return [f for f in files
+            if (since is None or (f.last_ts or 0) >= since)
+            and (not project or project in f.project or project in f.path)]
+
+
+def summarize(files: Sequence[HistoryFile]) -> dict[str, Any]:
+    """What `loom import` shows before it asks: projects, sessions, events, dates; and what is already done."""
+    todo = [f for f in files if not f.imported]
+    stamps = [t for f in files for t in (f.first_ts, f.last_ts) if t]
+    projects: dict[str, dict[str, int]] = {}
+    for f in files:
+        p = projects.setdefault(f.project, {"sessions": 0, "files": 0, "events": 0})
+        p["files"] += 1
+        p["events"] += f.lines
+        p["sessions"] += not f.subagent
+    return {
+        "files": len(files), "sessions": len({(f.agent, f.session_id) for f in files}),
+        "projects": len(projects), "events_estimate": sum(f.lines for f in files),
+        "bytes": sum(f.bytes for f in files), "first_ts": min(stamps, default=None),
+        "last_ts": max(stamps, default=None),
+        "agents": {a: sum(1 for f in files if f.agent == a and not f.subagent) for a in SOURCES},
+        "imported_files": len(files) - len(todo), "todo_files": len(todo),
+        "todo_events_estimate": sum(f.lines for f in todo), "todo_bytes": sum(f.bytes for f in todo),
+        "by_project": dict(sorted(projects.items(), key=lambda kv: -kv[1]["events"])),
+    }
+
+
+class HistoryImporter:
+    """The daemon's side of `loom import`: the scan, and one file's import at a time (hooks are served between)."""
+
+    def __init__(self, store: Store, tailer: Tailer) -> None:
+        self.store = store
+        self.tailer = tailer
+
+    async def scan(self, sources: Sequence[str], *, claude_dir: str | None = None, codex_dir: str | None = None,
+                   since: float | None = None, project: str | None = None) -> dict[str, Any]:
+        done = await self._done()
+        # Unnamed folders: the daemon's own (the CLI names the user's); Codex's as the tailer resolved it.
+        codex_dir = codex_dir or str(self.tailer.codex_root.parent)
+        files, others = await asyncio.to_thread(self._scan, list(sources), claude_dir, codex_dir, done)
+        chosen = select(files, since=since, project=project)
+        return {"summary": {**summarize(chosen), "not_transcripts": others}, "files": [asdict(f) for f in chosen]}
+
+    def _scan(self, sources: list[str], claude_dir: str | None, codex_dir: str | None,
+              done: dict[str, dict[str, Any]]) -> tuple[list[HistoryFile], int]:
+        """In a thread: every transcript file named, and how many other files (hook logs, metadata) were passed."""
+        out, others = [], 0
+        for path in history_sources(sources, claude_dir, codex_dir):
+            try:
+                found = describe(path, done.get(str(path)))
+            except (OSError, ValueError):
+                found = None  # vanished or unreadable since the listing
+            if found is None:
+                others += 1
+            else:
+                out.append(found)
+        # A subagent works in a folder of its own (a worktree, say); it counts in its session's project.
+        mains = {(f.agent, f.session_id): f.project for f in out if not f.subagent}
+        for f in out:
+            if f.subagent:
+                f.project = mains.get((f.agent, f.session_id), f.project)
+        return out, others
+
+    async def _done(self) -> dict[str, dict[str, Any]]:
+        rows = await self.store.fetchall("SELECT name, value FROM checkpoints WHERE name LIKE 'import:%'")
+        out: dict[str, dict[str, Any]] = {}
+        for name, value in rows:
+            try:
+                data = json.loads(value)
+            except ValueError:
+                continue  # a damaged record only costs a re-read, which stores nothing new
+            if isinstance(data, dict):
+                out[name[len(CHECKPOINT):]] = data
+        return out
+
+    async def import_path(self, path: str, *, force: bool = False) -> dict[str, Any]:
+        """Import one file, unless a finished import of it is on record (`force` re-reads it anyway)."""
+        p = Path(path)
+        if not p.is_absolute():
+            raise BadRequest(f"{path!r}: a path to import must be absolute")
+        try:
+            st = await asyncio.to_thread(os.stat, p)
+        except OSError as exc:
+            raise BadRequest(f"cannot read {p}: {exc.strerror or exc}") from exc
+        if not force:
+            value = await self.store.scalar("SELECT value FROM checkpoints WHERE name = ?", (CHECKPOINT + str(p),))
+            done = _loads(value.encode()) if isinstance(value, str) else None
+            if _same_file(done, st):
+                return {"path": str(p), "skipped": True, "events": 0, "stored": 0, "sessions": []}
+        started = time.monotonic()
+        # Recorded as of the stat before reading: a file that grew meanwhile is read again next time.
+        result = await self.tailer.import_file(p, also=_recorder(str(p), _fingerprint(st)))
+        return {**result, "skipped": False, "seconds": round(time.monotonic() - started, 3)}
+
+
+def _recorder(path: str, fingerprint: dict[str, int]) -> Processor:
+    value = json.dumps(fingerprint)
+
+    async def record(db: aiosqlite.Connection, _events: Sequence[Event]) -> None:
+        await db.execute(
+            "INSERT INTO checkpoints (name, value, updated) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET"
+            " value = excluded.value, updated = excluded.updated", (CHECKPOINT + path, value, time.time()))
+
+    return record
