@@ -107,33 +107,84 @@ def store(text: str, kind: str, scope: str, tags: tuple[str, ...], importance: f
     _emit(data, as_json, lambda d: f"{'stored' if d['created'] else 'already known'} #{d['id']} ({d['project']})")
 
 
+def _why(m: dict[str, Any]) -> str:
+    """A hit's fused score and the signal that placed it (cosine for vec, BM25 for fts, idf for graph)."""
+    why = m.get("why") or {}
+    top = f" {why['signal']} {why['score']:.2f}" if why else ""
+    return f"{m.get('score', 0):.3f}{top:<11}"
+
+
+def _check_project(project: str) -> None:
+    """An unknown project key is an error naming the close ones (a typo would otherwise silently match nothing)."""
+    import difflib
+
+    known = [p["project"] for p in _call("projects")["projects"]]
+    if project in known or project == "user":
+        return
+    close = difflib.get_close_matches(project, known, n=3, cutoff=0.5)
+    close += [k for k in known if project.lower() in k.lower() and k not in close][:3]
+    hint = f"; did you mean: {', '.join(close)}" if close else "; `loom projects` lists them"
+    raise click.ClickException(f"no project '{project}'{hint}")
+
+
 @main.command()
 @click.argument("query")
 @click.option("--limit", default=10, show_default=True)
 @click.option("--mode", default="hybrid", type=click.Choice(["keyword", "semantic", "hybrid"]), show_default=True)
 @click.option("--kind", "kinds", multiple=True)
+@click.option("--project", default=None, help="search this project key (see `loom projects`), not the current one")
 @click.option("--all-projects", is_flag=True, help="do not limit to the current directory's project")
+@click.option("--all", "show_all", is_flag=True, help="also the hits below the relevance floor")
 @click.option("--archived", is_flag=True, help="include archived memories")
 @click.option("--explain", is_flag=True, help="show each signal's rank and score")
 @json_option
-def search(query: str, limit: int, mode: str, kinds: tuple[str, ...], all_projects: bool, archived: bool,
-           explain: bool, as_json: bool) -> None:
-    """Search memories."""
+def search(query: str, limit: int, mode: str, kinds: tuple[str, ...], project: str | None, all_projects: bool,
+           show_all: bool, archived: bool, explain: bool, as_json: bool) -> None:
+    """Search memories: each hit with its score and the signal behind it, none that is not about QUERY."""
     args: dict[str, Any] = {"query": query, "limit": limit, "mode": mode, "include_archived": archived,
-                            "explain": explain}
+                            "explain": explain, "floor": not show_all}
     if kinds:
         args["kind"] = list(kinds)
-    if not all_projects:
+    if project:
+        _check_project(project)
+        args["project"] = project
+    elif not all_projects:
         args["cwd"] = os.getcwd()
     data = _call("search", args)
 
     def human(d: dict[str, Any]) -> str:
         lines = []
         for m in d["results"]:
-            lines.append(_memory_line(m))
+            where = f"  [{m['project']}]" if all_projects else ""
+            lines.append(f"#{m['id']:<6} {_why(m)} {m['kind']:<11} {_day(m.get('created'))}  "
+                         f"{m['text'][:160]}{' (archived)' if m.get('archived_at') else ''}{where}")
             if explain and m.get("explain"):
                 lines.append("        " + json.dumps(m["explain"], default=str))
-        return "\n".join(lines) or "no results"
+        below = d.get("below_floor") or 0
+        scope = "every project" if all_projects else f"project {d.get('project')}"
+        if not lines or below:
+            hints = [f"{below} weaker hit(s) below the relevance floor: --all shows them"] if below else []
+            if not all_projects:
+                hints.append("--all-projects searches every project (`loom projects` lists them)")
+            lines.append(f"{'no results' if not lines else len(lines)} in {scope}; " + "; ".join(hints))
+        return "\n".join(lines)
+    _emit(data, as_json, human)
+
+
+@main.command()
+@json_option
+def projects(as_json: bool) -> None:
+    """The projects loomd knows: key, sessions, memories, last activity (newest first)."""
+    data = _call("projects")
+
+    def human(d: dict[str, Any]) -> str:
+        if not d["projects"]:
+            return "no projects yet: loomd has seen no session and stored nothing"
+        lines = [f"{'project':<48} {'sessions':>8} {'memories':>8} {'evidence':>8}  last active"]
+        for p in d["projects"]:
+            lines.append(f"{p['project']:<48} {p['sessions']:>8} {p['memories']:>8} {p['evidence']:>8}  "
+                         f"{_when(p['last_active'])}" + (f"  ({p['path']})" if p["path"] else ""))
+        return "\n".join(lines)
     _emit(data, as_json, human)
 
 

@@ -90,6 +90,10 @@ class Config:
     embed_threads: int = 1  # onnxruntime threads of the local model (the back-fill and each query use one each)
     embed_model_path: str = ""  # the local model file; "" = the one the model package ships
     recency_half_life_days: float = 30.0
+    # The relevance floor of `loom search` (search/floor.py; `--all` shows everything): a hit needs this cosine, an
+    # entity the query names, or (keywords only) this share of the query's words.
+    search_min_cosine: float = 0.3
+    search_min_terms: float = 0.5
     # workers
     passive: bool = False
     observe_after_tokens: int = 10_000

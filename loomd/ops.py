@@ -17,11 +17,13 @@ from loomd.ingest.events import INGEST_ARGS, LATEST_TS, parse_hook, sent_at
 from loomd.ingest.project import project_of
 from loomd.ingest.writer import EventWriter
 from loomd.protocol import REQUIRED, ArgSpec, takes
-from loomd.search.retrieval import SearchContext, search_memories
+from loomd.search.floor import Floor, apply_floor, top_signal
+from loomd.search.retrieval import SearchContext, search_hits
 from loomd.search.views import evidence, timeline
 from loomd.store import tasks
 from loomd.store.db import Store
 from loomd.store.memories import SCOPES, MemoryWriter, fetch_memories, insert_memory, set_archived
+from loomd.store.projects import list_projects
 from loomd.workers.model import BUDGET_CHECKPOINT
 from loomd.workers.scheduler import Scheduler
 
@@ -165,18 +167,33 @@ class Ops:
         "query": (str, REQUIRED), "limit": (int, 10), "mode": (str, "hybrid"), "project": (str, None),
         "cwd": (str, None), "scope": (str, None), "kind": ((str, list), None), "since": (float, None),
         "until": (float, None), "session_id": (str, None), "include_archived": (bool, False),
-        "explain": (bool, False), "weights": (dict, None), "tuning": (dict, None),
+        "explain": (bool, False), "weights": (dict, None), "tuning": (dict, None), "floor": (bool, False),
     })
     async def handle_search(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Fused search; each item says its `why` (the top signal and its raw score). `floor`: drop the hits that
+        are not about the query (search/floor.py), counted in `below_floor`."""
         if not 1 <= a["limit"] <= 200:
             raise BadRequest("'limit' must be between 1 and 200")
         if a["project"] is None and a["cwd"]:
             a["project"] = await project_of(a["cwd"])
         a.pop("cwd")
+        floor, explain = a.pop("floor"), a.pop("explain")
         report: dict[str, Any] = {}
-        results = await search_memories(self.s.search(), **a, report=report)
-        reply = {"results": results, "count": len(results)}
-        if a["explain"] or report.get("notes"):
+        hits = await search_hits(self.s.search(), **a, report=report)
+        below = 0
+        if floor:
+            cfg = self.s.config()
+            hits, below = apply_floor(hits, a["query"], Floor(cfg.search_min_cosine, cfg.search_min_terms))
+        results = []
+        for hit in hits:
+            item = hit.as_dict(explain)
+            top = top_signal(hit)
+            item["why"] = {"signal": top[0], "score": round(top[1], 4)} if top else None
+            results.append(item)
+        reply: dict[str, Any] = {"results": results, "count": len(results), "project": a["project"]}
+        if floor:
+            reply["below_floor"] = below
+        if explain or report.get("notes"):
             reply.update(report)
         return reply
 
@@ -225,6 +242,11 @@ class Ops:
         async with self.s.memories.atomic() as db:
             changed = await set_archived(db, _ids(a["id"]), False)
         return {"restored": changed}
+
+    @takes({})
+    async def handle_projects(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Every project key: sessions, memories, evidence passages, archived, last folder and last activity."""
+        return {"projects": await list_projects(self.s.store)}
 
     @takes({"limit": (int, 20), "session_id": (str, None), "after_id": (int, 0)})
     async def handle_events(self, a: dict[str, Any]) -> dict[str, Any]:
