@@ -79,16 +79,80 @@ def _health(s: dict[str, Any]) -> str:
 
 @main.command()
 @click.argument("op")
-@click.option("--json", "args_json", default="{}", help="the op's arguments as a JSON object")
-def call(op: str, args_json: str) -> None:
-    """Send any op with JSON arguments; print the JSON result (the generic client for scripts)."""
+@click.option("--args", "args_json", default=None, help="the op's arguments as a JSON object")
+@click.option("--json", "old_args_json", default=None, hidden=True, help="deprecated spelling of --args")
+def call(op: str, args_json: str | None, old_args_json: str | None) -> None:
+    """Send any op with JSON arguments (--args '{...}'); print the JSON result (the generic client for scripts)."""
+    if old_args_json is not None:
+        # Everywhere else --json means JSON *output*; here it once meant input.
+        click.echo("loom call: --json for the arguments is deprecated, use --args", err=True)
+        args_json = args_json if args_json is not None else old_args_json
     try:
-        args = json.loads(args_json)
+        args = json.loads(args_json or "{}")
     except ValueError as exc:
-        raise click.ClickException(f"--json is not valid JSON: {exc}") from exc
+        raise click.ClickException(f"--args is not valid JSON: {exc}") from exc
     if not isinstance(args, dict):
-        raise click.ClickException("--json must be a JSON object")
+        raise click.ClickException("--args must be a JSON object")
     click.echo(json.dumps(_call(op, args), indent=2, default=str, ensure_ascii=False))
+
+
+@main.command()
+@click.option("--project", default=None, help="only this project key (see `loom projects`)")
+@json_option
+def stats(project: str | None, as_json: bool) -> None:
+    """What the store holds: memories by kind (active and archived), events by agent and kind."""
+    if project:
+        _check_project(project)
+    data = _call("stats", {"project": project})
+
+    def human(d: dict[str, Any]) -> str:
+        c = d["counts"]
+        lines = [f"{c['events']} events, {c['sessions']} sessions, {c['memories']} memories ({c['archived']} "
+                 f"archived)" + (f" in all projects; {project}:" if project else ""), "memories by kind:"]
+        lines += [f"  {kind:<12} {n['active']:>7} active {n['archived']:>7} archived"
+                  for kind, n in d["memories"].items()] or ["  none"]
+        lines.append("events by agent and kind:")
+        lines += [f"  {e['agent']:<7} {e['kind']:<22} {e['count']:>7}" for e in d["events"]] or ["  none"]
+        return "\n".join(lines)
+    _emit(data, as_json, human)
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (an exited one its parent has not reaped yet, a zombie, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): the signal check is all there is
+
+
+@main.command()
+@click.option("--timeout", default=30.0, show_default=True, help="seconds to wait for it to finish draining")
+def stop(timeout: float) -> None:
+    """Stop the running daemon (SIGTERM: it drains in-flight requests first). A service started again by its socket
+    or at login is stopped with `systemctl --user stop loomd.socket loomd.service` (launchd: `loom uninstall
+    launchd`)."""
+    import signal
+    import time
+
+    pid = int(_call("status")["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError as exc:
+        raise click.ClickException(f"cannot signal loomd (pid {pid}): {exc}") from exc
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            click.echo(f"stopped loomd (pid {pid})")
+            return
+        time.sleep(0.05)
+    raise click.ClickException(f"loomd (pid {pid}) is still running after {timeout:g}s")
 
 
 @main.command()
@@ -278,7 +342,8 @@ def events(limit: int, session: str | None, as_json: bool) -> None:
     def human(d: dict[str, Any]) -> str:
         return "\n".join(
             f"{e['id']:<7} {dt.datetime.fromtimestamp(e['ts']):%m-%d %H:%M:%S} {e['agent']:<6} {e['kind']:<17} "
-            f"{e['session_id'][:12]} {e['tool_name'] or ''}" for e in d["events"]) or "no events"
+            f"{e['session_id'][:12]} {e['tool_name'] or ''}{'  ' if e['tool_name'] else ''}"
+            f"{' '.join((e.get('text') or '').split())[:160]}" for e in d["events"]) or "no events"
     _emit(data, as_json, human)
 
 
@@ -474,11 +539,15 @@ def workers(ctx: click.Context, as_json: bool) -> None:
 @click.option("--session", "session_id", default=None, help="only this session (observer; its project otherwise)")
 @click.option("--project", default=None, help="only this project (reflector, dropper, digest, gc)")
 @click.option("--dry-run", is_flag=True, help="show what it would write; write nothing")
+@click.option("--final/--not-final", default=None,
+              help="observer: treat the session as ended (its open todos are noted) or as still running "
+                   "(default: as the session's events say)")
 @json_option
-def workers_run(name: str, session_id: str | None, project: str | None, dry_run: bool, as_json: bool) -> None:
+def workers_run(name: str, session_id: str | None, project: str | None, dry_run: bool, final: bool | None,
+                as_json: bool) -> None:
     """Run worker NAME now and wait for it."""
-    data = _call("workers_run", {"name": name, "session_id": session_id, "project": project, "dry_run": dry_run},
-                 timeout=600.0)
+    data = _call("workers_run", {"name": name, "session_id": session_id, "project": project, "dry_run": dry_run,
+                                 "final": final}, timeout=600.0)
 
     def human(d: dict[str, Any]) -> str:
         lines = [f"{d['worker']} job #{d['job_id']}: {d['outcome']} in {d['duration_s']}s, "

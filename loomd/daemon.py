@@ -333,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loomd", description="loomd: long-term memory daemon for coding agents")
     parser.add_argument("command", nargs="?", default="serve", choices=["serve"], help="run in the foreground")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--version", action="version", version=f"loomd {__version__}")
     args = parser.parse_args(argv)
     try:
         config = load_config()

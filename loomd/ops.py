@@ -19,7 +19,7 @@ from loomd.ingest.writer import EventWriter
 from loomd.protocol import REQUIRED, ArgSpec, takes
 from loomd.search.floor import Floor, apply_floor, top_signal
 from loomd.search.retrieval import SearchContext, search_hits
-from loomd.search.views import evidence, timeline
+from loomd.search.views import event_view, evidence, timeline
 from loomd.store import tasks
 from loomd.store.db import Store
 from loomd.store.memories import SCOPES, MemoryWriter, fetch_memories, insert_memory, set_archived
@@ -248,18 +248,21 @@ class Ops:
         """Every project key: sessions, memories, evidence passages, archived, last folder and last activity."""
         return {"projects": await list_projects(self.s.store)}
 
-    @takes({"limit": (int, 20), "session_id": (str, None), "after_id": (int, 0)})
+    @takes({"limit": (int, 20), "session_id": (str, None), "after_id": (int, 0), "max_chars": (int, 300)})
     async def handle_events(self, a: dict[str, Any]) -> dict[str, Any]:
+        """The newest raw events, each with its `text` as the workers read it (cut at `max_chars`)."""
+        if not 1 <= a["max_chars"] <= 20_000:
+            raise BadRequest("'max_chars' must be 1-20000")
         where, params = "WHERE id > ?", [a["after_id"]]
         if a["session_id"]:
             where += " AND session_id = ?"
             params.append(a["session_id"])
         rows = await self.s.store.fetchall(
-            f"SELECT id, agent, session_id, project, kind, source, ts, tool_name, payload FROM events {where}"
-            " ORDER BY id DESC LIMIT ?", [*params, max(1, min(a["limit"], 500))])
+            f"SELECT * FROM events {where} ORDER BY id DESC LIMIT ?", [*params, max(1, min(a["limit"], 500))])
         return {"events": [
-            {"id": r[0], "agent": r[1], "session_id": r[2], "project": r[3], "kind": r[4], "source": r[5],
-             "ts": r[6], "tool_name": r[7], "payload": r[8][:2000]} for r in reversed(rows)
+            {"id": r["id"], "agent": r["agent"], "session_id": r["session_id"], "project": r["project"],
+             "kind": r["kind"], "source": r["source"], "ts": r["ts"], "tool_name": r["tool_name"],
+             "payload": r["payload"][:2000], "text": event_view(r, a["max_chars"])["text"]} for r in reversed(rows)
         ]}
 
     @takes({

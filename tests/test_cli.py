@@ -116,3 +116,83 @@ async def test_projects_on_an_empty_store_says_so(client: AsyncClient) -> None:
     result = await loom("projects")
     assert result.exit_code == 0 and "no projects yet" in result.output
     assert os.environ["LOOMD_HOME"]  # the runner talks to this test's daemon, never the user's
+
+
+# --- the commands a newcomer looks for ------------------------------------------------------------------------------
+
+def hook_raw(event: str, session: str, **extra: Any) -> bytes:
+    return json.dumps({"session_id": session, "cwd": "/tmp", "hook_event_name": event, **extra}).encode()
+
+
+async def test_events_show_their_text(client: AsyncClient) -> None:
+    await client.call("hook", event="UserPromptSubmit", eid="p1",
+                      raw=hook_raw("UserPromptSubmit", "ev1", prompt="please add retries to the uploader"))
+    await client.call("hook", event="PostToolUse", eid="t1", raw=hook_raw(
+        "PostToolUse", "ev1", tool_name="Bash", tool_input={"command": "pytest -q tests/test_upload.py"},
+        tool_response={"stdout": "3 passed in 0.2s", "stderr": ""}))
+    shown = await loom("events")
+    assert shown.exit_code == 0, shown.output
+    assert "please add retries to the uploader" in shown.output
+    assert "pytest -q tests/test_upload.py" in shown.output
+    events = json.loads((await loom("events", "--json")).output)["events"]
+    assert events[0]["text"].endswith("please add retries to the uploader") or \
+        "please add retries" in events[0]["text"]
+
+
+async def test_stats_lists_what_the_store_holds(client: AsyncClient, workdir: Path) -> None:
+    await seed(client, workdir)
+    await client.call("hook", event="Stop", eid="s1", raw=hook_raw("Stop", "st1"))
+    shown = await loom("stats")
+    assert shown.exit_code == 0, shown.output
+    assert "decision" in shown.output and "fact" in shown.output and "Stop" in shown.output
+    data = json.loads((await loom("stats", "--json")).output)
+    assert data["memories"]["fact"]["active"] == len(UNRELATED)
+    scoped = await loom("stats", "--project", f"dir:{workdir}")
+    assert scoped.exit_code == 0 and f"dir:{workdir}:" in scoped.output
+    assert (await loom("stats", "--project", "nope")).exit_code == 1
+
+
+async def test_call_takes_its_arguments_with_args_and_still_with_the_old_json(client: AsyncClient) -> None:
+    new = await loom("call", "events", "--args", '{"limit": 1}')
+    assert new.exit_code == 0 and "events" in json.loads(new.output)
+    old = await asyncio.to_thread(CliRunner().invoke, cli_main,
+                                  ["call", "events", "--json", '{"limit": 1}'])
+    assert old.exit_code == 0 and "events" in json.loads(old.stdout)
+    assert "deprecated, use --args" in old.stderr
+    bad = await loom("call", "events", "--args", "[1]")
+    assert bad.exit_code == 1 and "--args must be a JSON object" in bad.output
+
+
+async def test_workers_run_final_notes_open_todos_only_when_asked(client: AsyncClient) -> None:
+    base = {"agent": "claude", "session_id": "todo1", "project": "p-todo", "source": "transcript"}
+    todo = {**base, "kind": "tool_use", "ts": 1_700_000_000.0, "key": "t:todo1:1", "tool_name": "TodoWrite",
+            "tool_use_id": "toolu_1", "payload": {"text": "TodoWrite", "tool_name": "TodoWrite", "tool_input": {
+                "todos": [{"content": "Write the schema migration for orders", "status": "pending"}]}}}
+    done = {**base, "kind": "tool_result", "ts": 1_700_000_001.0, "key": "t:todo1:2", "tool_use_id": "toolu_1",
+            "payload": {"text": "Todos have been modified successfully"}}
+    await client.call("ingest", events=[todo, done])
+
+    async def dry(flag: str) -> str:
+        result = await loom("workers", "run", "observer", "--session", "todo1", "--dry-run", flag)
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert "Write the schema migration for orders" in await dry("--final")
+    assert "Write the schema migration for orders" not in await dry("--not-final")
+
+
+def test_loom_stop_stops_the_daemon_and_loomd_says_its_version(daemon_process: Any, home: Path) -> None:
+    import subprocess
+    import sys
+
+    from loomd import __version__
+
+    proc = daemon_process().start()
+    result = CliRunner().invoke(cli_main, ["stop"])
+    assert result.exit_code == 0, result.output
+    assert f"stopped loomd (pid {proc.proc.pid})" in result.output
+    assert proc.proc.wait(10) == 0 and not (home / "loomd.sock").exists()
+    down = CliRunner().invoke(cli_main, ["stop"])
+    assert down.exit_code == 1
+    version = subprocess.run([sys.executable, "-m", "loomd", "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == f"loomd {__version__}"

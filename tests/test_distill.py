@@ -384,11 +384,22 @@ async def test_the_daily_budget_stops_model_calls_and_the_rules_take_over(monkey
             assert "model_fallback" not in first["detail"]  # paid for, valid: kept
             await client.call("ingest", events=[{**e, "key": e["key"] + "x"} for e in work_session("b2", 1_7e9)])
             second = await client.call("workers_run", name="observer", session_id="b2")
-            assert "budget" in second["detail"]["model_fallback"][0]
+            assert "would pass the daily model budget (9100 of 6000 tokens used today" \
+                in second["detail"]["model_fallback"][0]
             assert {o["origin"] for o in await _session_obs(client, "b2")} == {"observer"}
             status = await client.call("workers")
             assert status["model"]["usage"]["tokens"] == 9100 and status["model"]["daily_tokens"] == 6000
     assert len(fake.requests) == 1  # nothing was sent once the budget was spent
+
+
+async def test_a_budget_smaller_than_one_request_says_so_on_the_first_call(monkeypatch, home, model_env) -> None:
+    with FakeModel(lambda body, api: good(body, api, tokens=10)) as fake:
+        async with loomd(monkeypatch, home, **model_env("openai", fake.url, model_daily_tokens=100)) as (d, client):
+            await client.call("ingest", events=work_session("b1", 1_700_000_000))
+            first = await client.call("workers_run", name="observer", session_id="b1")
+            why = first["detail"]["model_fallback"][0]
+            assert "a request of about" in why and "(0 of 100 tokens used today" in why and "reached" not in why
+    assert fake.requests == []
 
 
 async def _session_obs(client: Any, session: str) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from fake_models import AnthropicFake, OpenAIResponsesFake
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
+from loomd import __version__
 from loomd.daemon import Daemon
 from loomd.mcp import TOOLS
 
@@ -132,6 +133,7 @@ def test_import_stays_light_and_start_is_fast(home: Path) -> None:
         proc.wait(10)
         proc.stdout.close()
         assert reply["result"]["serverInfo"]["name"] == "loom"
+        assert reply["result"]["serverInfo"]["version"] == __version__  # its own, not the SDK's
     assert min(timings) < 1.0, f"MCP handshake took {timings}"
 
 

@@ -259,7 +259,8 @@ class ModelDistiller:
             used = await budget_used(self.store.reader)
             cost = (len(SYSTEM_PROMPT) + len(prompt)) // 4 + MAX_OUTPUT_TOKENS
             if used + cost > self.daily_tokens:
-                self.last_error = f"daily model budget reached ({used}/{self.daily_tokens} tokens)"
+                self.last_error = (f"a request of about {cost} tokens would pass the daily model budget "
+                                   f"({used} of {self.daily_tokens} tokens used today; model_daily_tokens raises it)")
                 return None
             try:
                 reply = await self.client.complete(SYSTEM_PROMPT, prompt)
