@@ -324,6 +324,40 @@ def forget(ids: tuple[int, ...], reason: str, as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("ids", nargs=-1, type=int)
+@click.option("--session", default=None, help="everything of this session: its events, memories and blocks")
+@click.option("--project", default=None, help="everything of this project key (see `loom projects`)")
+@click.option("--match", default=None, help="every memory and event holding this text, and its copies elsewhere")
+@click.option("--yes", is_flag=True, help="do not ask first")
+@json_option
+def purge(ids: tuple[int, ...], session: str | None, project: str | None, match: str | None, yes: bool,
+          as_json: bool) -> None:
+    """Delete for good (unlike `forget`): memories IDS, a --session, a --project or what holds --match TEXT, with
+    their vectors, index entries and copies; the database file is then rewritten so the text is gone from it."""
+    if project:
+        _check_project(project)
+    criteria = {"id": list(ids) or None, "session_id": session, "project": project, "match": match}
+    plan = _call("purge", criteria)["plan"]
+    if not plan["memories"] and not plan["events"] and not plan["sessions"]:
+        _emit({"purged": False, "plan": plan}, as_json, lambda d: "nothing to purge")
+        return
+    if not yes:
+        lines = [f"this deletes {plan['memories']} memories, {plan['events']} events and "
+                 f"{len(plan['sessions'])} sessions for good (no undo), e.g.:"]
+        lines += [f"  memory #{m['id']} {m['kind']} {m['project']}: {' '.join(m['text'].split())[:100]}"
+                  for m in plan["sample"]["memories"]]
+        lines += [f"  event {e['id']} {e['kind']} session {e['session_id']}" for e in plan["sample"]["events"]]
+        click.echo("\n".join(lines), err=True)
+        if not click.confirm("purge?", default=False, err=True):
+            raise click.ClickException("nothing purged")
+    data = _call("purge", {**criteria, "confirm": True}, timeout=600.0)
+    _emit(data, as_json, lambda d: (
+        f"purged {d['plan']['memories']} memories, {d['plan']['events']} events, {len(d['plan']['sessions'])} "
+        f"sessions; database rewritten" + ("" if d["wal_truncated"] else " (the WAL is still in use: run "
+                                           "`loom purge` again to truncate it)")))
+
+
+@main.command()
 @click.argument("ids", nargs=-1, type=int, required=True)
 @json_option
 def restore(ids: tuple[int, ...], as_json: bool) -> None:

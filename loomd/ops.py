@@ -24,6 +24,7 @@ from loomd.store import tasks
 from loomd.store.db import Store
 from loomd.store.memories import SCOPES, MemoryWriter, fetch_memories, insert_memory, set_archived
 from loomd.store.projects import list_projects
+from loomd.store.purge import describe, purge, select
 from loomd.workers.model import BUDGET_CHECKPOINT
 from loomd.workers.scheduler import Scheduler
 
@@ -236,6 +237,17 @@ class Ops:
         async with self.s.memories.atomic() as db:
             changed = await set_archived(db, _ids(a["id"]), True, a["reason"])
         return {"archived": changed}
+
+    @takes({"id": ((int, list), None), "session_id": (str, None), "project": (str, None), "match": (str, None),
+            "confirm": (bool, False)})
+    async def handle_purge(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Remove text from the database file for good (store/purge.py). Without `confirm`: only what would go."""
+        criteria = {"ids": _ids(a["id"]) if a["id"] is not None else [], "session_id": a["session_id"],
+                    "project": a["project"], "match": a["match"]}
+        if not a["confirm"]:
+            reader = self.s.store.reader
+            return {"purged": False, "plan": await describe(reader, await select(reader, **criteria))}
+        return {"purged": True, **await purge(self.s.store, **criteria)}
 
     @takes({"id": ((int, list), REQUIRED)})
     async def handle_restore(self, a: dict[str, Any]) -> dict[str, Any]:
