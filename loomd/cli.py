@@ -49,10 +49,21 @@ def main() -> None:
 
 
 @main.command()
+@click.option("--wait", default=0.0, metavar="SECONDS", help="wait this long for a daemon that is starting")
 @json_option
-def status(as_json: bool) -> None:
+def status(wait: float, as_json: bool) -> None:
     """Is the daemon up, and what does it hold."""
-    data = _call("status")
+    import time
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            data = _call("status")
+            break
+        except click.ClickException:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
     def human(s: dict[str, Any]) -> str:
         c = s["counts"]
