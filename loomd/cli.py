@@ -185,7 +185,7 @@ def store(text: str, kind: str, scope: str, tags: tuple[str, ...], importance: f
 def _why(m: dict[str, Any]) -> str:
     """A hit's fused score and the signal that placed it (cosine for vec, BM25 for fts, idf for graph)."""
     why = m.get("why") or {}
-    top = f" {why['signal']} {why['score']:.2f}" if why else ""
+    top = f" {why['signal']} {why['score']:.3g}" if why else ""
     return f"{m.get('score', 0):.3f}{top:<11}"
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from conftest import REPO, serving
+from conftest import REPO, path_without_agents, serving
 from test_spool import shim_spool
 
 from loomd.client import AsyncClient
@@ -100,7 +100,8 @@ def assert_status(findings: dict[str, Finding], name: str, status: str, *words: 
 
 
 async def test_healthy_install_has_no_fail(daemon: Daemon, user_home: Path, systemctl: Path) -> None:
-    env = {**env_for(user_home), "PATH": "/usr/bin:/bin"}  # no agent CLIs: `install` writes the settings files
+    # No agent CLIs (whatever this machine has): `install` writes the settings files.
+    env = {**env_for(user_home), "PATH": path_without_agents(user_home / "bin")}
     for agent in ("claude", "codex"):
         done = await asyncio.to_thread(subprocess.run, [LOOM, "install", agent, "--settings-only"], env=env,
                                        capture_output=True, text=True, timeout=120)
