@@ -504,6 +504,71 @@ def task_list(state: str | None, all_projects: bool, as_json: bool) -> None:
     _emit(data, as_json, lambda d: "\n".join(map(_task_line, d["tasks"])) or "no tasks")
 
 
+def _project_root(path: str) -> str:
+    """The folder a project is: the repository's top level when PATH is inside one, else PATH itself."""
+    import subprocess
+
+    where = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(where):
+        raise click.ClickException(f"{where} is not a folder")
+    try:
+        top = subprocess.run(["git", "-C", where, "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return where
+    return top.stdout.strip() if top.returncode == 0 and top.stdout.strip() else where
+
+
+def _ignored_list() -> tuple[Any, list[str]]:
+    from loomd.ignore import FILE_NAME, read_roots
+
+    try:
+        path = load_config().paths.data_dir / FILE_NAME
+    except LoomdError as exc:
+        raise click.ClickException(str(exc)) from exc
+    return path, read_roots(path)
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def project(ctx: click.Context) -> None:
+    """Keep a project out of memory (`loom project ignore [PATH]`) or let it back in (`include`); alone: the list."""
+    if ctx.invoked_subcommand is not None:
+        return
+    path, roots = _ignored_list()
+    click.echo("\n".join(f"ignored  {root}" for root in roots) or f"no ignored projects ({path})")
+
+
+@project.command("ignore")
+@click.argument("path", default=".")
+def project_ignore(path: str) -> None:
+    """Store nothing from PATH's project (default: here): the hooks stop at once, transcripts are skipped. What
+    is already stored stays (`loom purge --project KEY` removes it)."""
+    from loomd.ignore import write_roots
+
+    root = _project_root(path)
+    file, roots = _ignored_list()
+    if root not in roots:
+        write_roots(file, [*roots, root])
+    click.echo(f"ignored {root}: nothing from it is stored from now on (`loom project include` undoes it)")
+
+
+@project.command("include")
+@click.argument("path", default=".")
+def project_include(path: str) -> None:
+    """Let PATH's project (default: here) back into memory."""
+    from loomd.ignore import covers, write_roots
+
+    root = _project_root(path)
+    file, roots = _ignored_list()
+    if root not in roots:
+        outer = [r for r in roots if covers([r], root)]
+        raise click.ClickException(f"{root} is not ignored" + (f" by itself; {outer[0]} is, which holds it"
+                                                               if outer else ""))
+    write_roots(file, [r for r in roots if r != root])
+    click.echo(f"included {root}: its sessions are remembered again")
+
+
 def _install_targets() -> list[str]:
     from loomd.installer.agents import TARGETS
 
