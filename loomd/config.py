@@ -71,6 +71,9 @@ class Config:
     context_deadline_ms: int = 150
     ack_deadline_ms: int = 1000
     capture_rate_per_session: int = 60
+    auto_capture: bool = True  # the capture rules at ingest (ingest/capture.py); off: only the workers distill
+    # Kinds of memory never written by the capture rules or the reflector (comma-separated, e.g. "insight,error").
+    extract_off: str = ""
     # context planner
     start_block_chars: int = 1500
     start_block_chars_claude: int = 0
@@ -101,6 +104,7 @@ class Config:
     reflection_context_max_tokens: int = 10_000
     observations_pool_max_tokens: int = 20_000
     observations_pool_target_tokens: int = 10_000
+    gc: bool = True  # off: the GC worker runs only when asked (`loom workers run gc`)
     event_ttl_days: float = 0.0  # 0: raw events are evidence, kept for good; a limit is the user's choice
     memory_ttl_days: float = 0.0
     project_memory_cap: int = 5000
@@ -135,6 +139,10 @@ class Config:
         for name in ("db", "socket", "spool", "logs", "config_file", "data_dir", "state_dir"):
             out[f"path.{name}"] = {"value": str(getattr(self.paths, name)), "source": "derived"}
         return out
+
+    def kinds_off(self) -> frozenset[str]:
+        """`extract_off` as a set of kinds."""
+        return frozenset(k.strip().lower() for k in self.extract_off.split(",") if k.strip())
 
     def start_block_budget(self, agent: str) -> int:
         per_agent = {"claude": self.start_block_chars_claude, "codex": self.start_block_chars_codex}.get(agent, 0)

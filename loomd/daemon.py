@@ -132,7 +132,8 @@ class Daemon:
         self.memories.committed.append(self.vectors.wake)
         # Captured memories commit inside ingest transactions: wake the back-fill after each commit.
         self.writer.listeners.append(lambda _events: self.memories.changed())
-        self.writer.processors.append(Capturer(self.config.capture_rate_per_session, self.memories))
+        self.writer.processors.append(Capturer(self.config.capture_rate_per_session, self.memories,
+                                               lambda: self.config))
         self.planner = Planner(self.store, lambda: self.config, self.search, self.vectors.searchable)
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)

@@ -670,3 +670,42 @@ def test_the_replay_script_prints_and_writes_json(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     [session] = data["sessions"]
     assert session["observations"] and session["durable"] and not data["failed_runs"]
+
+
+# --- the user's switches: auto-capture, kinds never extracted, GC -------------------------------------------------
+
+async def test_auto_capture_off_leaves_distilling_to_the_workers(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, auto_capture=False) as (_, client):
+        await ingest(client, work_session("ac1", 1_700_000_000))
+        assert [m for m in await memories(client) if m["origin"].startswith("capture:")] == []
+        await observe_and_reflect(client, ["ac1"])
+        assert any("logging module" in m["text"] for m in await memories(client, kind="constraint"))
+
+
+async def test_auto_capture_on_captures_at_ingest(monkeypatch, home) -> None:
+    """The control of the test above: the same session, the switch at its default."""
+    async with loomd(monkeypatch, home) as (_, client):
+        await ingest(client, work_session("ac2", 1_700_000_000))
+        assert [m for m in await memories(client) if m["origin"].startswith("capture:")]
+
+
+async def test_kinds_switched_off_are_never_extracted(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, extract_off="constraint, insight") as (_, client):
+        await ingest(client, work_session("ko1", 1_700_000_000))
+        await observe_and_reflect(client, ["ko1"])
+        kinds = {m["kind"] for m in await memories(client) if m["archived_at"] is None}
+        assert "constraint" not in kinds and "insight" not in kinds
+        assert "observation" in kinds and "decision" in kinds  # everything else as before
+        # The observation of the rule is kept (it is evidence of what was said), only the durable rule is not.
+        assert any("logging module" in m["text"] for m in await memories(client, kind="observation"))
+
+
+async def test_gc_off_runs_only_when_asked(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, gc=False) as (d, client):
+        stale = (await client.call("store", text="a note that expired long ago", cwd="/tmp", expires=1.0))["id"]
+        scheduled = await d.scheduler.run("gc", trigger="interval")
+        assert "gc is off" in scheduled["detail"]["skipped"]
+        assert (await client.call("detail", id=stale))["memories"][0]["archived_at"] is None
+        asked = await client.call("workers_run", name="gc")
+        assert asked["outcome"] == "ok"
+        assert (await client.call("detail", id=stale))["memories"][0]["archived_at"] is not None

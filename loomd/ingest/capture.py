@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import aiosqlite
 
+from loomd.config import Config
 from loomd.ingest.events import Event
 from loomd.ingest.reading import (
     EDIT_TOOLS,
@@ -250,13 +251,19 @@ def prompt_text(event: Event) -> str | None:
 class Capturer:
     """The ingest processor: applies RULES to each stored event, within a per-session rate limit."""
 
-    def __init__(self, rate_per_session: int, memories: MemoryWriter) -> None:
+    def __init__(self, rate_per_session: int, memories: MemoryWriter,
+                 config: Callable[[], Config] | None = None) -> None:
         self.rate = rate_per_session
         self.memories = memories
+        self.config = config  # `auto_capture` and `extract_off`, read per batch (SIGHUP reloads them)
         self.sessions: dict[str, SessionMemory] = {}
         self.fired: dict[str, int] = {}
 
     async def __call__(self, db: aiosqlite.Connection, events: Sequence[Event]) -> None:
+        cfg = self.config() if self.config is not None else None
+        if cfg is not None and not cfg.auto_capture:
+            return
+        off = cfg.kinds_off() if cfg is not None else frozenset()
         for event in events:
             run = await tool_run(db, event)
             prompt = prompt_text(event)
@@ -264,7 +271,8 @@ class Capturer:
                 continue
             state = self.sessions.setdefault(event.session_id, SessionMemory())
             for capture in evaluate(run, prompt, state):
-                await self._store(db, event, capture)
+                if capture.kind not in off:
+                    await self._store(db, event, capture)
 
     async def _store(self, db: aiosqlite.Connection, event: Event, capture: Capture) -> None:
         rows = list(await db.execute_fetchall("SELECT captures FROM sessions WHERE id = ?", (event.session_id,)))

@@ -77,6 +77,9 @@ class GC:
 
     async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
         cfg, now = ctx.config(), time.time()
+        if not cfg.gc and req.trigger != "manual":
+            report.detail["skipped"] = "gc is off (config gc = false): it runs only when asked"
+            return
         async with ctx.write(req.dry_run) as db:
             protected = await working_set(db, cfg, now)
             before = report.items_out
