@@ -36,7 +36,12 @@ def _day(ts: float | None) -> str:
 
 def _memory_line(m: dict[str, Any]) -> str:
     flag = " (archived)" if m.get("archived_at") else ""
-    return f"#{m['id']:<6} {m['kind']:<11} {_day(m.get('created'))}  {m['text'][:160]}{flag}"
+    return f"#{m['id']:<6} {m['kind']:<11} {_day(m.get('created'))}  {_one_line(m['text'])}{flag}"
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    """A memory's text on one line (an evidence passage holds a file or a command's output), cut at `limit`."""
+    return " ".join(text.split())[:limit]
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="print JSON")
@@ -196,7 +201,8 @@ def _check_project(project: str) -> None:
     known = [p["project"] for p in _call("projects")["projects"]]
     if project in known or project == "user":
         return
-    close = difflib.get_close_matches(project, known, n=3, cutoff=0.5)
+    # Keys share long prefixes (`dir:/Users/`, `git:github.com/`): only a close call is a suggestion.
+    close = difflib.get_close_matches(project, known, n=3, cutoff=0.8)
     close += [k for k in known if project.lower() in k.lower() and k not in close][:3]
     hint = f"; did you mean: {', '.join(close)}" if close else "; `loom projects` lists them"
     raise click.ClickException(f"no project '{project}'{hint}")
@@ -232,7 +238,7 @@ def search(query: str, limit: int, mode: str, kinds: tuple[str, ...], project: s
         for m in d["results"]:
             where = f"  [{m['project']}]" if all_projects else ""
             lines.append(f"#{m['id']:<6} {_why(m)} {m['kind']:<11} {_day(m.get('created'))}  "
-                         f"{m['text'][:160]}{' (archived)' if m.get('archived_at') else ''}{where}")
+                         f"{_one_line(m['text'])}{' (archived)' if m.get('archived_at') else ''}{where}")
             if explain and m.get("explain"):
                 lines.append("        " + json.dumps(m["explain"], default=str))
         below = d.get("below_floor") or 0
