@@ -528,21 +528,49 @@ def _project_root(path: str) -> str:
 def _ignored_list() -> tuple[Any, list[str]]:
     from loomd.ignore import FILE_NAME, read_roots
 
+    path = _data_dir() / FILE_NAME
+    return path, read_roots(path)
+
+
+def _private_list() -> tuple[Any, list[str]]:
+    from loomd.ignore import PRIVATE_FILE, read_keys
+
+    path = _data_dir() / PRIVATE_FILE
+    return path, read_keys(path)
+
+
+def _data_dir() -> Any:
     try:
-        path = load_config().paths.data_dir / FILE_NAME
+        return load_config().paths.data_dir
     except LoomdError as exc:
         raise click.ClickException(str(exc)) from exc
-    return path, read_roots(path)
 
 
 @main.group(invoke_without_command=True)
 @click.pass_context
 def project(ctx: click.Context) -> None:
-    """Keep a project out of memory (`loom project ignore [PATH]`) or let it back in (`include`); alone: the list."""
+    """Keep a project out of memory (`ignore`), on this machine only (`private`), or as before (`include`); alone:
+    the list."""
     if ctx.invoked_subcommand is not None:
         return
     path, roots = _ignored_list()
-    click.echo("\n".join(f"ignored  {root}" for root in roots) or f"no ignored projects ({path})")
+    _, keys = _private_list()
+    lines = [f"ignored  {root}" for root in roots] + [f"private  {key}" for key in keys]
+    click.echo("\n".join(lines) or f"no ignored or private projects ({path.parent})")
+
+
+@project.command("private")
+@click.argument("path", default=".")
+def project_private(path: str) -> None:
+    """Keep PATH's project (default: here) on this machine: remembered and used here, but none of its text goes to a
+    model or a remote embedding endpoint (the local model still embeds it)."""
+    from loomd.ignore import write_roots
+
+    key = _call("projects", {"cwd": _project_root(path)})["here"]
+    file, keys = _private_list()
+    if key not in keys:
+        write_roots(file, [*keys, key])
+    click.echo(f"private {key}: nothing of it leaves this machine (`loom project include` undoes it)")
 
 
 @project.command("ignore")
@@ -567,12 +595,18 @@ def project_include(path: str) -> None:
 
     root = _project_root(path)
     file, roots = _ignored_list()
-    if root not in roots:
+    private_file, keys = _private_list()
+    key = _call("projects", {"cwd": root})["here"] if keys else None
+    if root not in roots and key not in keys:
         outer = [r for r in roots if covers([r], root)]
-        raise click.ClickException(f"{root} is not ignored" + (f" by itself; {outer[0]} is, which holds it"
-                                                               if outer else ""))
-    write_roots(file, [r for r in roots if r != root])
-    click.echo(f"included {root}: its sessions are remembered again")
+        raise click.ClickException(f"{root} is neither ignored nor private" + (
+            f"; {outer[0]}, which holds it, is ignored" if outer else ""))
+    if root in roots:
+        write_roots(file, [r for r in roots if r != root])
+        click.echo(f"included {root}: its sessions are remembered again")
+    if key in keys:
+        write_roots(private_file, [k for k in keys if k != key])
+        click.echo(f"shared {key} again: the model and embedding endpoints may see it")
 
 
 def _install_targets() -> list[str]:

@@ -1,6 +1,7 @@
-"""Project folders kept out of memory (`loom project ignore`): one absolute path per line in a file of the data dir.
+"""Projects the user keeps out of memory or private (`loom project ignore|private|include`).
 
-Nothing under such a folder is stored: the hook shim reads the same file and stops at once (it keeps its own copy
+Ignored: project folders, one absolute path per line in `<data dir>/ignored-projects`. Nothing under such a folder is
+stored: the hook shim reads the same file and stops at once (it keeps its own copy
 of `covers`, since it may not import loomd), and the daemon drops any event from there that still arrives (from a
 transcript, the spool, an older shim). The file is the user's own (0600), rewritten whole and atomically.
 """
@@ -11,6 +12,9 @@ import os
 from pathlib import Path
 
 FILE_NAME = "ignored-projects"
+# Private: project keys, one per line in `<data dir>/private-projects`. Their memories are stored and used here, but
+# nothing of them leaves the machine: no model request, no remote embedding of their text or of a query in them.
+PRIVATE_FILE = "private-projects"
 
 
 def covers(roots: tuple[str, ...] | list[str], cwd: str | None) -> bool:
@@ -27,6 +31,14 @@ def read_roots(path: Path) -> list[str]:
     except FileNotFoundError:
         return []
     return [line.strip() for line in text.splitlines() if line.strip().startswith("/")]
+
+
+def read_keys(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8", errors="surrogateescape")
+    except FileNotFoundError:
+        return []
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def write_roots(path: Path, roots: list[str]) -> None:
@@ -59,3 +71,26 @@ class IgnoredProjects:
         if seen != self._seen:
             self._seen, self.roots = seen, tuple(read_roots(self.path))
         return covers(self.roots, cwd)
+
+
+class PrivateProjects:
+    """The private keys as the daemon reads them: re-read only when the file changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._seen: tuple[int, int] | None = None
+        self.keys: frozenset[str] = frozenset()
+
+    def __contains__(self, project: object) -> bool:
+        return project in self.current()
+
+    def current(self) -> frozenset[str]:
+        """The keys, re-read if the file changed since the last look."""
+        try:
+            st = self.path.stat()
+            seen = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            seen = (0, 0)
+        if seen != self._seen:
+            self._seen, self.keys = seen, frozenset(read_keys(self.path))
+        return self.keys

@@ -255,10 +255,14 @@ class Ops:
             changed = await set_archived(db, _ids(a["id"]), False)
         return {"restored": changed}
 
-    @takes({})
+    @takes({"cwd": (str, None)})
     async def handle_projects(self, a: dict[str, Any]) -> dict[str, Any]:
-        """Every project key: sessions, memories, evidence passages, archived, last folder and last activity."""
-        return {"projects": await list_projects(self.s.store)}
+        """Every project key: sessions, memories, evidence passages, archived, last folder and last activity; with
+        `cwd`, also the key of that folder (`here`)."""
+        reply: dict[str, Any] = {"projects": await list_projects(self.s.store)}
+        if a["cwd"]:
+            reply["here"] = await project_of(a["cwd"])
+        return reply
 
     @takes({"limit": (int, 20), "session_id": (str, None), "after_id": (int, 0), "max_chars": (int, 300)})
     async def handle_events(self, a: dict[str, Any]) -> dict[str, Any]:

@@ -426,3 +426,17 @@ def test_a_model_client_needs_a_known_api_and_never_puts_its_key_in_errors() -> 
     client = ModelClient("openai", "http://127.0.0.1:9/v1", "m", KEY, timeout_s=0.5)
     assert client.endpoint == "http://127.0.0.1:9/v1/chat/completions"
     assert ModelClient("anthropic", "https://api.anthropic.com", "m").endpoint == "https://api.anthropic.com/v1/messages"
+
+
+async def test_a_private_project_is_never_sent_to_the_model(monkeypatch, home, model_env) -> None:
+    from loomd.ignore import PRIVATE_FILE, write_roots
+
+    write_roots(home / PRIVATE_FILE, [PROJECT])  # as `loom project private` writes it
+    with FakeModel(lambda body, api: good(body, api, tokens=10)) as fake:
+        async with loomd(monkeypatch, home, **model_env("openai", fake.url)) as (_, client):
+            await client.call("ingest", events=work_session("pv1", 1_700_000_000))
+            run = await client.call("workers_run", name="observer", session_id="pv1")
+            assert run["outcome"] == "ok"
+            assert f"{PROJECT} is private" in run["detail"]["model_fallback"][0]
+            assert {o["origin"] for o in await _session_obs(client, "pv1")} == {"observer"}  # the rules ran
+    assert fake.requests == []

@@ -23,6 +23,7 @@ import httpx
 
 from loomd.config import Config
 from loomd.errors import ModelError
+from loomd.ignore import PRIVATE_FILE, PrivateProjects
 from loomd.redact import redact_text
 from loomd.workers.rules import IMPORTANCE, TYPES, observe
 from loomd.workers.steps import Observation, SourceEvent, Step, to_steps
@@ -248,8 +249,13 @@ class ModelDistiller:
         self.daily_tokens = daily_tokens
         self.store = store
         self.last_error = ""
+        self.private = PrivateProjects(store.path.parent / PRIVATE_FILE)  # `loom project private`
 
     async def observe(self, events: Sequence[SourceEvent], context: Sequence[SourceEvent]) -> list[Observation] | None:
+        private = sorted({e.project for e in events if e.project in self.private})
+        if private:
+            self.last_error = f"project {private[0]} is private: nothing of it is sent to the model"
+            return None
         by_id = {e.id: e for e in events}
         steps = [s for s in to_steps([*context, *events]) if s.ids[-1] in by_id]
         if not steps:
