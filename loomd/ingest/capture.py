@@ -261,10 +261,11 @@ class Capturer:
 
     async def __call__(self, db: aiosqlite.Connection, events: Sequence[Event]) -> None:
         cfg = self.config() if self.config is not None else None
-        if cfg is not None and not cfg.auto_capture:
-            return
-        off = cfg.kinds_off() if cfg is not None else frozenset()
         for event in events:
+            own = cfg.for_project(event.project) if cfg is not None else None  # `[project."<key>"]` over the rest
+            if own is not None and not own.auto_capture:
+                continue
+            off = own.kinds_off() if own is not None else frozenset()
             run = await tool_run(db, event)
             prompt = prompt_text(event)
             if run is None and prompt is None:

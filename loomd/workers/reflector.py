@@ -247,7 +247,7 @@ class Reflector:
                                      " ORDER BY id LIMIT ?", (project, watermark, MAX_OBSERVATIONS))
         if not fresh:
             return 0, 0
-        off = ctx.config().kinds_off()  # `extract_off`: kinds the user does not want distilled
+        off = ctx.config().for_project(project).kinds_off()  # kinds the user does not want distilled
         marks = ",".join("?" * len(REFLECTION_KINDS))
         durable = await self._load(db, f"SELECT * FROM memories WHERE project = ? AND kind IN ({marks}) AND"
                                        " archived_at IS NULL AND superseded_by IS NULL", (project, *REFLECTION_KINDS))
