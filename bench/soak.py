@@ -246,8 +246,10 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str) 
         warm = max(3.0, opts.seconds * 0.1)
         steady = [r for r in series if r["t"] >= warm] or series
         half = [r for r in steady if r["t"] >= steady[0]["t"] + (steady[-1]["t"] - steady[0]["t"]) / 2] or steady
+        first_half = [r for r in series if r["t"] <= series[-1]["t"] / 2] or series
         out["rss_mb"] = {"start": series[0]["rss_mb"], "after_warmup": steady[0]["rss_mb"], "end": series[-1]["rss_mb"],
                          "max": max(r["rss_mb"] for r in series),
+                         "first_half_max": max(r["rss_mb"] for r in first_half),
                          "growth_after_warmup": round(series[-1]["rss_mb"] - steady[0]["rss_mb"], 1),
                          "slope_mb_per_min_second_half": round(slope(half, "rss_mb") * 60, 2)}
         out["fds"] = {"start": series[0]["fds"], "after_warmup": steady[0]["fds"], "end": series[-1]["fds"],

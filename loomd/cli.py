@@ -37,7 +37,12 @@ def _day(ts: float | None) -> str:
 
 def _memory_line(m: dict[str, Any]) -> str:
     flag = " (archived)" if m.get("archived_at") else ""
-    return f"#{m['id']:<6} {m['kind']:<11} {_day(m.get('created'))}  {m['text'][:160]}{flag}"
+    return f"#{m['id']:<6} {m['kind']:<11} {_day(m.get('created'))}  {_one_line(m['text'])}{flag}"
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    """A memory's text on one line (an evidence passage holds a file or a command's output), cut at `limit`."""
+    return " ".join(text.split())[:limit]
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="print JSON")
@@ -50,10 +55,21 @@ def main() -> None:
 
 
 @main.command()
+@click.option("--wait", default=0.0, metavar="SECONDS", help="wait this long for a daemon that is starting")
 @json_option
-def status(as_json: bool) -> None:
+def status(wait: float, as_json: bool) -> None:
     """Is the daemon up, and what does it hold."""
-    data = _call("status")
+    import time
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            data = _call("status")
+            break
+        except click.ClickException:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
     def human(s: dict[str, Any]) -> str:
         c = s["counts"]
@@ -94,16 +110,80 @@ def _storage_line(storage: dict[str, Any] | None) -> str:
 
 @main.command()
 @click.argument("op")
-@click.option("--json", "args_json", default="{}", help="the op's arguments as a JSON object")
-def call(op: str, args_json: str) -> None:
-    """Send any op with JSON arguments; print the JSON result (the generic client for scripts)."""
+@click.option("--args", "args_json", default=None, help="the op's arguments as a JSON object")
+@click.option("--json", "old_args_json", default=None, hidden=True, help="deprecated spelling of --args")
+def call(op: str, args_json: str | None, old_args_json: str | None) -> None:
+    """Send any op with JSON arguments (--args '{...}'); print the JSON result (the generic client for scripts)."""
+    if old_args_json is not None:
+        # Everywhere else --json means JSON *output*; here it once meant input.
+        click.echo("loom call: --json for the arguments is deprecated, use --args", err=True)
+        args_json = args_json if args_json is not None else old_args_json
     try:
-        args = json.loads(args_json)
+        args = json.loads(args_json or "{}")
     except ValueError as exc:
-        raise click.ClickException(f"--json is not valid JSON: {exc}") from exc
+        raise click.ClickException(f"--args is not valid JSON: {exc}") from exc
     if not isinstance(args, dict):
-        raise click.ClickException("--json must be a JSON object")
+        raise click.ClickException("--args must be a JSON object")
     click.echo(json.dumps(_call(op, args), indent=2, default=str, ensure_ascii=False))
+
+
+@main.command()
+@click.option("--project", default=None, help="only this project key (see `loom projects`)")
+@json_option
+def stats(project: str | None, as_json: bool) -> None:
+    """What the store holds: memories by kind (active and archived), events by agent and kind."""
+    if project:
+        _check_project(project)
+    data = _call("stats", {"project": project})
+
+    def human(d: dict[str, Any]) -> str:
+        c = d["counts"]
+        lines = [f"{c['events']} events, {c['sessions']} sessions, {c['memories']} memories ({c['archived']} "
+                 f"archived)" + (f" in all projects; {project}:" if project else ""), "memories by kind:"]
+        lines += [f"  {kind:<12} {n['active']:>7} active {n['archived']:>7} archived"
+                  for kind, n in d["memories"].items()] or ["  none"]
+        lines.append("events by agent and kind:")
+        lines += [f"  {e['agent']:<7} {e['kind']:<22} {e['count']:>7}" for e in d["events"]] or ["  none"]
+        return "\n".join(lines)
+    _emit(data, as_json, human)
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (an exited one its parent has not reaped yet, a zombie, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): the signal check is all there is
+
+
+@main.command()
+@click.option("--timeout", default=30.0, show_default=True, help="seconds to wait for it to finish draining")
+def stop(timeout: float) -> None:
+    """Stop the running daemon (SIGTERM: it drains in-flight requests first). A service started again by its socket
+    or at login is stopped with `systemctl --user stop loomd.socket loomd.service` (launchd: `loom uninstall
+    launchd`)."""
+    import signal
+    import time
+
+    pid = int(_call("status")["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError as exc:
+        raise click.ClickException(f"cannot signal loomd (pid {pid}): {exc}") from exc
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            click.echo(f"stopped loomd (pid {pid})")
+            return
+        time.sleep(0.05)
+    raise click.ClickException(f"loomd (pid {pid}) is still running after {timeout:g}s")
 
 
 @main.command()
@@ -122,33 +202,85 @@ def store(text: str, kind: str, scope: str, tags: tuple[str, ...], importance: f
     _emit(data, as_json, lambda d: f"{'stored' if d['created'] else 'already known'} #{d['id']} ({d['project']})")
 
 
+def _why(m: dict[str, Any]) -> str:
+    """A hit's fused score and the signal that placed it (cosine for vec, BM25 for fts, idf for graph)."""
+    why = m.get("why") or {}
+    top = f" {why['signal']} {why['score']:.3g}" if why else ""
+    return f"{m.get('score', 0):.3f}{top:<11}"
+
+
+def _check_project(project: str) -> None:
+    """An unknown project key is an error naming the close ones (a typo would otherwise silently match nothing)."""
+    import difflib
+
+    known = [p["project"] for p in _call("projects")["projects"]]
+    if project in known or project == "user":
+        return
+    # Keys share long prefixes (`dir:/Users/`, `git:github.com/`): only a close call is a suggestion.
+    close = difflib.get_close_matches(project, known, n=3, cutoff=0.8)
+    close += [k for k in known if project.lower() in k.lower() and k not in close][:3]
+    hint = f"; did you mean: {', '.join(close)}" if close else "; `loom projects` lists them"
+    raise click.ClickException(f"no project '{project}'{hint}")
+
+
 @main.command()
 @click.argument("query")
 @click.option("--limit", default=10, show_default=True)
 @click.option("--mode", default="hybrid", type=click.Choice(["keyword", "semantic", "hybrid"]), show_default=True)
 @click.option("--kind", "kinds", multiple=True)
+@click.option("--project", default=None, help="search this project key (see `loom projects`), not the current one")
 @click.option("--all-projects", is_flag=True, help="do not limit to the current directory's project")
+@click.option("--all", "show_all", is_flag=True, help="also the hits below the relevance floor")
 @click.option("--archived", is_flag=True, help="include archived memories")
 @click.option("--explain", is_flag=True, help="show each signal's rank and score")
 @json_option
-def search(query: str, limit: int, mode: str, kinds: tuple[str, ...], all_projects: bool, archived: bool,
-           explain: bool, as_json: bool) -> None:
-    """Search memories."""
+def search(query: str, limit: int, mode: str, kinds: tuple[str, ...], project: str | None, all_projects: bool,
+           show_all: bool, archived: bool, explain: bool, as_json: bool) -> None:
+    """Search memories: each hit with its score and the signal behind it, none that is not about QUERY."""
     args: dict[str, Any] = {"query": query, "limit": limit, "mode": mode, "include_archived": archived,
-                            "explain": explain}
+                            "explain": explain, "floor": not show_all}
     if kinds:
         args["kind"] = list(kinds)
-    if not all_projects:
+    if project:
+        _check_project(project)
+        args["project"] = project
+    elif not all_projects:
         args["cwd"] = os.getcwd()
     data = _call("search", args)
 
     def human(d: dict[str, Any]) -> str:
         lines = []
         for m in d["results"]:
-            lines.append(_memory_line(m))
+            where = f"  [{m['project']}]" if all_projects else ""
+            lines.append(f"#{m['id']:<6} {_why(m)} {m['kind']:<11} {_day(m.get('created'))}  "
+                         f"{_one_line(m['text'])}{' (archived)' if m.get('archived_at') else ''}{where}")
             if explain and m.get("explain"):
                 lines.append("        " + json.dumps(m["explain"], default=str))
-        return "\n".join(lines) or "no results"
+        below = d.get("below_floor") or 0
+        scope = "every project" if all_projects else f"project {d.get('project')}"
+        if not lines or below:
+            hints = [f"{below} weaker hit(s) below the relevance floor: --all shows them"] if below else []
+            if not all_projects:
+                hints.append("--all-projects searches every project (`loom projects` lists them)")
+            lines.append(f"{'no results' if not lines else len(lines)} in {scope}; " + "; ".join(hints))
+        return "\n".join(lines)
+    _emit(data, as_json, human)
+
+
+@main.command()
+@json_option
+def projects(as_json: bool) -> None:
+    """The projects loomd knows: key, sessions, memories, last activity (newest first)."""
+    data = _call("projects")
+
+    def human(d: dict[str, Any]) -> str:
+        if not d["projects"]:
+            return "no projects yet: loomd has seen no session and stored nothing"
+        lines = [f"{'project':<48} {'sessions':>8} {'memories':>8} {'evidence':>8}  last active"]
+        for p in d["projects"]:
+            lines.append(f"{p['project']:<48} {p['sessions']:>8} {p['memories']:>8} {p['evidence']:>8}  "
+                         f"{_when(p['last_active'])}" + (f"  ({p['path']})" if p["path"] else ""))
+        return "\n".join(lines)
     _emit(data, as_json, human)
 
 
@@ -224,6 +356,40 @@ def forget(ids: tuple[int, ...], reason: str, as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("ids", nargs=-1, type=int)
+@click.option("--session", default=None, help="everything of this session: its events, memories and blocks")
+@click.option("--project", default=None, help="everything of this project key (see `loom projects`)")
+@click.option("--match", default=None, help="every memory and event holding this text, and its copies elsewhere")
+@click.option("--yes", is_flag=True, help="do not ask first")
+@json_option
+def purge(ids: tuple[int, ...], session: str | None, project: str | None, match: str | None, yes: bool,
+          as_json: bool) -> None:
+    """Delete for good (unlike `forget`): memories IDS, a --session, a --project or what holds --match TEXT, with
+    their vectors, index entries and copies; the database file is then rewritten so the text is gone from it."""
+    if project:
+        _check_project(project)
+    criteria = {"id": list(ids) or None, "session_id": session, "project": project, "match": match}
+    plan = _call("purge", criteria)["plan"]
+    if not plan["memories"] and not plan["events"] and not plan["sessions"]:
+        _emit({"purged": False, "plan": plan}, as_json, lambda d: "nothing to purge")
+        return
+    if not yes:
+        lines = [f"this deletes {plan['memories']} memories, {plan['events']} events and "
+                 f"{len(plan['sessions'])} sessions for good (no undo), e.g.:"]
+        lines += [f"  memory #{m['id']} {m['kind']} {m['project']}: {' '.join(m['text'].split())[:100]}"
+                  for m in plan["sample"]["memories"]]
+        lines += [f"  event {e['id']} {e['kind']} session {e['session_id']}" for e in plan["sample"]["events"]]
+        click.echo("\n".join(lines), err=True)
+        if not click.confirm("purge?", default=False, err=True):
+            raise click.ClickException("nothing purged")
+    data = _call("purge", {**criteria, "confirm": True}, timeout=600.0)
+    _emit(data, as_json, lambda d: (
+        f"purged {d['plan']['memories']} memories, {d['plan']['events']} events, {len(d['plan']['sessions'])} "
+        f"sessions; database rewritten" + ("" if d["wal_truncated"] else " (the WAL is still in use: run "
+                                           "`loom purge` again to truncate it)")))
+
+
+@main.command()
 @click.argument("ids", nargs=-1, type=int, required=True)
 @json_option
 def restore(ids: tuple[int, ...], as_json: bool) -> None:
@@ -242,7 +408,8 @@ def events(limit: int, session: str | None, as_json: bool) -> None:
     def human(d: dict[str, Any]) -> str:
         return "\n".join(
             f"{e['id']:<7} {dt.datetime.fromtimestamp(e['ts']):%m-%d %H:%M:%S} {e['agent']:<6} {e['kind']:<17} "
-            f"{e['session_id'][:12]} {e['tool_name'] or ''}" for e in d["events"]) or "no events"
+            f"{e['session_id'][:12]} {e['tool_name'] or ''}{'  ' if e['tool_name'] else ''}"
+            f"{' '.join((e.get('text') or '').split())[:160]}" for e in d["events"]) or "no events"
     _emit(data, as_json, human)
 
 
@@ -359,6 +526,105 @@ def task_list(state: str | None, all_projects: bool, as_json: bool) -> None:
     _emit(data, as_json, lambda d: "\n".join(map(_task_line, d["tasks"])) or "no tasks")
 
 
+def _project_root(path: str) -> str:
+    """The folder a project is: the repository's top level when PATH is inside one, else PATH itself."""
+    import subprocess
+
+    where = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(where):
+        raise click.ClickException(f"{where} is not a folder")
+    try:
+        top = subprocess.run(["git", "-C", where, "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return where
+    return top.stdout.strip() if top.returncode == 0 and top.stdout.strip() else where
+
+
+def _ignored_list() -> tuple[Any, list[str]]:
+    from loomd.ignore import FILE_NAME, read_roots
+
+    path = _data_dir() / FILE_NAME
+    return path, read_roots(path)
+
+
+def _private_list() -> tuple[Any, list[str]]:
+    from loomd.ignore import PRIVATE_FILE, read_keys
+
+    path = _data_dir() / PRIVATE_FILE
+    return path, read_keys(path)
+
+
+def _data_dir() -> Any:
+    try:
+        return load_config().paths.data_dir
+    except LoomdError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def project(ctx: click.Context) -> None:
+    """Keep a project out of memory (`ignore`), on this machine only (`private`), or as before (`include`); alone:
+    the list."""
+    if ctx.invoked_subcommand is not None:
+        return
+    path, roots = _ignored_list()
+    _, keys = _private_list()
+    lines = [f"ignored  {root}" for root in roots] + [f"private  {key}" for key in keys]
+    click.echo("\n".join(lines) or f"no ignored or private projects ({path.parent})")
+
+
+@project.command("private")
+@click.argument("path", default=".")
+def project_private(path: str) -> None:
+    """Keep PATH's project (default: here) on this machine: remembered and used here, but none of its text goes to a
+    model or a remote embedding endpoint (the local model still embeds it)."""
+    from loomd.ignore import write_roots
+
+    key = _call("projects", {"cwd": _project_root(path)})["here"]
+    file, keys = _private_list()
+    if key not in keys:
+        write_roots(file, [*keys, key])
+    click.echo(f"private {key}: nothing of it leaves this machine (`loom project include` undoes it)")
+
+
+@project.command("ignore")
+@click.argument("path", default=".")
+def project_ignore(path: str) -> None:
+    """Store nothing from PATH's project (default: here): the hooks stop at once, transcripts are skipped. What
+    is already stored stays (`loom purge --project KEY` removes it)."""
+    from loomd.ignore import write_roots
+
+    root = _project_root(path)
+    file, roots = _ignored_list()
+    if root not in roots:
+        write_roots(file, [*roots, root])
+    click.echo(f"ignored {root}: nothing from it is stored from now on (`loom project include` undoes it)")
+
+
+@project.command("include")
+@click.argument("path", default=".")
+def project_include(path: str) -> None:
+    """Let PATH's project (default: here) back into memory."""
+    from loomd.ignore import covers, write_roots
+
+    root = _project_root(path)
+    file, roots = _ignored_list()
+    private_file, keys = _private_list()
+    key = _call("projects", {"cwd": root})["here"] if keys else None
+    if root not in roots and key not in keys:
+        outer = [r for r in roots if covers([r], root)]
+        raise click.ClickException(f"{root} is neither ignored nor private" + (
+            f"; {outer[0]}, which holds it, is ignored" if outer else ""))
+    if root in roots:
+        write_roots(file, [r for r in roots if r != root])
+        click.echo(f"included {root}: its sessions are remembered again")
+    if key in keys:
+        write_roots(private_file, [k for k in keys if k != key])
+        click.echo(f"shared {key} again: the model and embedding endpoints may see it")
+
+
 def _install_targets() -> list[str]:
     from loomd.installer.agents import TARGETS
 
@@ -439,11 +705,15 @@ def workers(ctx: click.Context, as_json: bool) -> None:
 @click.option("--session", "session_id", default=None, help="only this session (observer; its project otherwise)")
 @click.option("--project", default=None, help="only this project (reflector, dropper, digest, gc)")
 @click.option("--dry-run", is_flag=True, help="show what it would write; write nothing")
+@click.option("--final/--not-final", default=None,
+              help="observer: treat the session as ended (its open todos are noted) or as still running "
+                   "(default: as the session's events say)")
 @json_option
-def workers_run(name: str, session_id: str | None, project: str | None, dry_run: bool, as_json: bool) -> None:
+def workers_run(name: str, session_id: str | None, project: str | None, dry_run: bool, final: bool | None,
+                as_json: bool) -> None:
     """Run worker NAME now and wait for it."""
-    data = _call("workers_run", {"name": name, "session_id": session_id, "project": project, "dry_run": dry_run},
-                 timeout=600.0)
+    data = _call("workers_run", {"name": name, "session_id": session_id, "project": project, "dry_run": dry_run,
+                                 "final": final}, timeout=600.0)
 
     def human(d: dict[str, Any]) -> str:
         lines = [f"{d['worker']} job #{d['job_id']}: {d['outcome']} in {d['duration_s']}s, "

@@ -71,6 +71,11 @@ class Config:
     context_deadline_ms: int = 150
     ack_deadline_ms: int = 1000
     capture_rate_per_session: int = 60
+    auto_capture: bool = True  # the capture rules at ingest (ingest/capture.py); off: only the workers distill
+    # Kinds of memory never written by the capture rules or the reflector (comma-separated, e.g. "insight,error");
+    # banned kinds are not written either, and GC archives those already stored.
+    extract_off: str = ""
+    extract_banned: str = ""
     # context planner
     start_block_chars: int = 1500
     start_block_chars_claude: int = 0
@@ -90,6 +95,10 @@ class Config:
     embed_threads: int = 1  # onnxruntime threads of the local model (the back-fill and each query use one each)
     embed_model_path: str = ""  # the local model file; "" = the one the model package ships
     recency_half_life_days: float = 30.0
+    # The relevance floor of `loom search` (search/floor.py; `--all` shows everything): a hit needs this cosine, an
+    # entity the query names, or (keywords only) this share of the query's words.
+    search_min_cosine: float = 0.3
+    search_min_terms: float = 0.5
     # workers
     passive: bool = False
     observe_after_tokens: int = 10_000
@@ -97,6 +106,7 @@ class Config:
     reflection_context_max_tokens: int = 10_000
     observations_pool_max_tokens: int = 20_000
     observations_pool_target_tokens: int = 10_000
+    gc: bool = True  # off: the GC worker runs only when asked (`loom workers run gc`)
     event_ttl_days: float = 0.0  # 0: raw events are evidence, kept for good; a limit is the user's choice
     memory_ttl_days: float = 0.0
     project_memory_cap: int = 5000
@@ -117,24 +127,68 @@ class Config:
 
     paths: Paths = field(default_factory=resolve_paths, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    # Per-project settings from the file's `[project."<key>"]` tables (PER_PROJECT names only): `for_project`.
+    projects: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
 
     def public(self) -> dict[str, Any]:
         """The config as plain values with secrets masked, plus where each value came from."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("paths", "sources"):
+            if f.name in NOT_SETTINGS:
                 continue
             value = getattr(self, f.name)
             if f.name.endswith("_key") and value:
                 value = "***"
             out[f.name] = {"value": value, "source": self.sources.get(f.name, "default")}
+        for project, settings in sorted(self.projects.items()):
+            for name, value in sorted(settings.items()):
+                out[f'project."{project}".{name}'] = {"value": value, "source": str(self.paths.config_file)}
         for name in ("db", "socket", "spool", "logs", "config_file", "data_dir", "state_dir"):
             out[f"path.{name}"] = {"value": str(getattr(self.paths, name)), "source": "derived"}
         return out
 
+    def kinds_off(self) -> frozenset[str]:
+        """The kinds never written: `extract_off` and `extract_banned`."""
+        return _kinds(self.extract_off) | self.kinds_banned()
+
+    def kinds_banned(self) -> frozenset[str]:
+        return _kinds(self.extract_banned)
+
+    def for_project(self, project: str | None) -> Config:
+        """This config with the project's own settings (`[project."<key>"]`) over it."""
+        own = self.projects.get(project or "")
+        return dataclasses.replace(self, **own) if own else self
+
     def start_block_budget(self, agent: str) -> int:
         per_agent = {"claude": self.start_block_chars_claude, "codex": self.start_block_chars_codex}.get(agent, 0)
         return per_agent or self.start_block_chars
+
+
+NOT_SETTINGS = ("paths", "sources", "projects")
+# What a project may set for itself in `[project."<key>"]`.
+PER_PROJECT = ("auto_capture", "extract_off", "extract_banned")
+
+
+def _kinds(text: str) -> frozenset[str]:
+    return frozenset(k.strip().lower() for k in text.split(",") if k.strip())
+
+
+def _project_tables(raw: Any, where: Path) -> dict[str, dict[str, Any]]:
+    """`[project."<key>"]` tables: only PER_PROJECT names, each read as the global setting of that name is."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise BadRequest(f'config file {where}: [project] must hold tables, e.g. [project."git:github.com/o/r"]')
+    kinds = {f.name: f.type for f in dataclasses.fields(Config)}
+    out: dict[str, dict[str, Any]] = {}
+    for project, settings in raw.items():
+        for name, value in settings.items():
+            if name not in PER_PROJECT:
+                raise BadRequest(f'config file {where}: [project."{project}"] cannot set {name!r}; '
+                                 f"a project sets: {', '.join(PER_PROJECT)}")
+            kind = kinds[name]
+            out.setdefault(project, {})[name] = _coerce(name, _KINDS[kind] if isinstance(kind, str) else kind, value)
+    return out
 
 
 def _coerce(name: str, kind: type, raw: Any) -> Any:
@@ -169,7 +223,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise BadRequest(f"config file {paths.config_file}: {exc}") from exc
     for f in dataclasses.fields(Config):
-        if f.name in ("paths", "sources"):
+        if f.name in NOT_SETTINGS:
             continue
         kind = _KINDS[f.type] if isinstance(f.type, str) else f.type
         if f.name in file_values:
@@ -179,4 +233,5 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
         if env_name in env:
             values[f.name] = _coerce(f.name, kind, env[env_name])
             sources[f.name] = f"env {env_name}"
-    return Config(**values, paths=paths, sources=sources)
+    projects = _project_tables(file_values.get("project"), paths.config_file)
+    return Config(**values, paths=paths, sources=sources, projects=projects)

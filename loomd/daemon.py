@@ -134,7 +134,8 @@ class Daemon:
         self.memories.committed.append(self.vectors.wake)
         # Captured memories commit inside ingest transactions: wake the back-fill after each commit.
         self.writer.listeners.append(lambda _events: self.memories.changed())
-        self.writer.processors.append(Capturer(self.config.capture_rate_per_session, self.memories))
+        self.writer.processors.append(Capturer(self.config.capture_rate_per_session, self.memories,
+                                               lambda: self.config))
         self.planner = Planner(self.store, lambda: self.config, self.search, self.vectors.searchable)
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
@@ -336,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loomd", description="loomd: long-term memory daemon for coding agents")
     parser.add_argument("command", nargs="?", default="serve", choices=["serve"], help="run in the foreground")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--version", action="version", version=f"loomd {__version__}")
     args = parser.parse_args(argv)
     try:
         config = load_config()

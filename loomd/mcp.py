@@ -181,6 +181,8 @@ def build_server() -> "FastMCP":
         from mcp.server.fastmcp.exceptions import ToolError
 
         server = FastMCP(SERVER_NAME, instructions=INSTRUCTIONS)
+        # 1.x takes no version and would report the SDK's own in the handshake.
+        server._mcp_server.version = __version__
     except ImportError:  # mcp 2.x renamed FastMCP to MCPServer; same decorator API
         from mcp.server.mcpserver import MCPServer  # type: ignore[import-not-found]
         from mcp.server.mcpserver.exceptions import ToolError  # type: ignore[import-not-found,no-redef]

@@ -20,11 +20,14 @@ from loomd.ingest.history import HistoryImporter
 from loomd.ingest.project import project_of
 from loomd.ingest.writer import EventWriter
 from loomd.protocol import REQUIRED, ArgSpec, takes
-from loomd.search.retrieval import SearchContext, search_memories
-from loomd.search.views import evidence, timeline
+from loomd.search.floor import Floor, apply_floor, top_signal
+from loomd.search.retrieval import SearchContext, search_hits
+from loomd.search.views import event_view, evidence, timeline
 from loomd.store import tasks
 from loomd.store.db import Store
 from loomd.store.memories import SCOPES, MemoryWriter, fetch_memories, insert_memory, set_archived
+from loomd.store.projects import list_projects
+from loomd.store.purge import describe, purge, select
 from loomd.workers.model import BUDGET_CHECKPOINT
 from loomd.workers.scheduler import Scheduler
 
@@ -195,18 +198,33 @@ class Ops:
         "query": (str, REQUIRED), "limit": (int, 10), "mode": (str, "hybrid"), "project": (str, None),
         "cwd": (str, None), "scope": (str, None), "kind": ((str, list), None), "since": (float, None),
         "until": (float, None), "session_id": (str, None), "include_archived": (bool, False),
-        "explain": (bool, False), "weights": (dict, None), "tuning": (dict, None),
+        "explain": (bool, False), "weights": (dict, None), "tuning": (dict, None), "floor": (bool, False),
     })
     async def handle_search(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Fused search; each item says its `why` (the top signal and its raw score). `floor`: drop the hits that
+        are not about the query (search/floor.py), counted in `below_floor`."""
         if not 1 <= a["limit"] <= 200:
             raise BadRequest("'limit' must be between 1 and 200")
         if a["project"] is None and a["cwd"]:
             a["project"] = await project_of(a["cwd"])
         a.pop("cwd")
+        floor, explain = a.pop("floor"), a.pop("explain")
         report: dict[str, Any] = {}
-        results = await search_memories(self.s.search(), **a, report=report)
-        reply = {"results": results, "count": len(results)}
-        if a["explain"] or report.get("notes"):
+        hits = await search_hits(self.s.search(), **a, report=report)
+        below = 0
+        if floor:
+            cfg = self.s.config()
+            hits, below = apply_floor(hits, a["query"], Floor(cfg.search_min_cosine, cfg.search_min_terms))
+        results = []
+        for hit in hits:
+            item = hit.as_dict(explain)
+            top = top_signal(hit)
+            item["why"] = {"signal": top[0], "score": round(top[1], 4)} if top else None
+            results.append(item)
+        reply: dict[str, Any] = {"results": results, "count": len(results), "project": a["project"]}
+        if floor:
+            reply["below_floor"] = below
+        if explain or report.get("notes"):
             reply.update(report)
         return reply
 
@@ -250,24 +268,47 @@ class Ops:
             changed = await set_archived(db, _ids(a["id"]), True, a["reason"])
         return {"archived": changed}
 
+    @takes({"id": ((int, list), None), "session_id": (str, None), "project": (str, None), "match": (str, None),
+            "confirm": (bool, False)})
+    async def handle_purge(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Remove text from the database file for good (store/purge.py). Without `confirm`: only what would go."""
+        criteria = {"ids": _ids(a["id"]) if a["id"] is not None else [], "session_id": a["session_id"],
+                    "project": a["project"], "match": a["match"]}
+        if not a["confirm"]:
+            reader = self.s.store.reader
+            return {"purged": False, "plan": await describe(reader, await select(reader, **criteria))}
+        return {"purged": True, **await purge(self.s.store, **criteria)}
+
     @takes({"id": ((int, list), REQUIRED)})
     async def handle_restore(self, a: dict[str, Any]) -> dict[str, Any]:
         async with self.s.memories.atomic() as db:
             changed = await set_archived(db, _ids(a["id"]), False)
         return {"restored": changed}
 
-    @takes({"limit": (int, 20), "session_id": (str, None), "after_id": (int, 0)})
+    @takes({"cwd": (str, None)})
+    async def handle_projects(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Every project key: sessions, memories, evidence passages, archived, last folder and last activity; with
+        `cwd`, also the key of that folder (`here`)."""
+        reply: dict[str, Any] = {"projects": await list_projects(self.s.store)}
+        if a["cwd"]:
+            reply["here"] = await project_of(a["cwd"])
+        return reply
+
+    @takes({"limit": (int, 20), "session_id": (str, None), "after_id": (int, 0), "max_chars": (int, 300)})
     async def handle_events(self, a: dict[str, Any]) -> dict[str, Any]:
+        """The newest raw events, each with its `text` as the workers read it (cut at `max_chars`)."""
+        if not 1 <= a["max_chars"] <= 20_000:
+            raise BadRequest("'max_chars' must be 1-20000")
         where, params = "WHERE id > ?", [a["after_id"]]
         if a["session_id"]:
             where += " AND session_id = ?"
             params.append(a["session_id"])
         rows = await self.s.store.fetchall(
-            f"SELECT id, agent, session_id, project, kind, source, ts, tool_name, payload FROM events {where}"
-            " ORDER BY id DESC LIMIT ?", [*params, max(1, min(a["limit"], 500))])
+            f"SELECT * FROM events {where} ORDER BY id DESC LIMIT ?", [*params, max(1, min(a["limit"], 500))])
         return {"events": [
-            {"id": r[0], "agent": r[1], "session_id": r[2], "project": r[3], "kind": r[4], "source": r[5],
-             "ts": r[6], "tool_name": r[7], "payload": r[8][:2000]} for r in reversed(rows)
+            {"id": r["id"], "agent": r["agent"], "session_id": r["session_id"], "project": r["project"],
+             "kind": r["kind"], "source": r["source"], "ts": r["ts"], "tool_name": r["tool_name"],
+             "payload": r["payload"][:2000], "text": event_view(r, a["max_chars"])["text"]} for r in reversed(rows)
         ]}
 
     @takes({

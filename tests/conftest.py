@@ -26,6 +26,22 @@ REPO = Path(__file__).resolve().parent.parent
 REQUIRE_ALL = os.environ.get("LOOMD_REQUIRE_ALL", "") not in ("", "0")
 
 
+AGENT_CLIS = ("claude", "codex")
+
+
+def path_without_agents(folder: Path) -> str:
+    """A PATH of the system's tools minus the agents' CLIs (symlinks in `folder`): a test that needs them absent
+    passes whether or not this machine has them installed globally."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for system in ("/usr/local/bin", "/usr/bin", "/bin"):
+        if not os.path.isdir(system):
+            continue
+        for name in os.listdir(system):
+            if name not in AGENT_CLIS and not os.path.lexists(folder / name):
+                (folder / name).symlink_to(Path(system) / name)
+    return str(folder)
+
+
 def test_data_dir() -> Path:
     return Path(os.environ.get("LOOMD_TEST_DATA") or REPO.parent / "shared" / "data")
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -289,3 +292,64 @@ async def test_prompt_semantic_inline_answers_in_the_hook(inline_client: AsyncCl
 def test_relevance_rule(prompt: str, text: str, explain: dict[str, Any], expected: bool) -> None:
     signals = {name: SignalHit(s["rank"], s.get("score", 1.0), 0.1) for name, s in explain.items()}
     assert relevant(Hit({"text": text}, signals), 0.5, prompt) is expected
+
+
+# --- what the start block says about itself ------------------------------------------------------------------------
+
+def shown_counts(block: str) -> tuple[dict[str, int], list[str]]:
+    """The header's `shown:` counts by group, and the block's memory lines."""
+    header, *body = block.splitlines()[:-1]
+    counts: dict[str, int] = {}
+    if "shown: " in header:
+        for part in header.split("shown: ", 1)[1].split(" · ", 1)[0].split(", "):
+            n, group = part.split(" ", 1)
+            counts[group] = int(n)
+    return counts, body
+
+
+async def test_start_header_counts_what_it_shows_and_never_says_a_letter_twice(client: AsyncClient) -> None:
+    await remember(client, "Never push directly to main; open a pull request", "constraint")
+    await remember(client, "The user prefers short commit messages in the imperative", "preference")
+    for n in range(30):
+        await remember(client, f"Decision {n}: chose option {n} for the exporter after comparing both", "decision")
+    roomy = (await client.call("context", kind="start", cwd=CWD))["text"]
+    counts, body = shown_counts(roomy)
+    assert counts["rules"] == 2 and sum(counts.values()) == len(body) and "32 memories" in roomy.splitlines()[0]
+    tight = await client.call("context", kind="start", cwd=CWD, agent="codex")
+    for text in (roomy, tight["text"]):
+        counts, body = shown_counts(text)
+        assert sum(counts.values()) == len(body) == len([line for line in body if line.startswith("[")])
+        # Each group once, each count the lines of that group below it.
+        letters = {"rules": ("[C]",), "decisions": ("[D]",)}
+        for group, marks in letters.items():
+            assert counts.get(group, 0) == sum(line.startswith(marks) for line in body)
+
+
+async def test_start_block_drops_the_older_side_of_a_contradiction(monkeypatch, home) -> None:
+    from test_workers import PROJECT, ingest, loomd, observe_and_reflect, user
+
+    async with loomd(monkeypatch, home) as (_, client):
+        await ingest(client, [user("p1", "Always squash commits before merging a branch.", 1_700_000_000)])
+        await observe_and_reflect(client, ["p1"])
+        await ingest(client, [user("p2", "Never squash commits before merging a branch.", 1_700_100_000)])
+        await observe_and_reflect(client, ["p2"])
+        block = (await client.call("context", kind="start", project=PROJECT))["text"]
+        assert "Never squash commits" in block and "Always squash commits" not in block
+        counts, body = shown_counts(block)
+        assert sum(counts.values()) == len(body)
+        # Both sides are kept in the store: the older rule is only left out of the block.
+        kept = (await client.call("timeline", project=PROJECT, kind="constraint"))["memories"]
+        assert any(m["text"].startswith("Always squash") and m["archived_at"] is None for m in kept)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git to make a repository without a remote")
+async def test_a_new_repository_without_a_remote_is_named_by_its_folder(client: AsyncClient, tmp_path: Path) -> None:
+    repo = tmp_path / "fresh-app"
+    repo.mkdir()
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "first"]):
+        await asyncio.to_thread(subprocess.run, ["git", "-C", str(repo), *args], check=True, env=env)
+    reply = await client.call("context", kind="start", cwd=str(repo))
+    assert reply["project"].startswith("git:") and len(reply["project"]) == 20  # keyed by its root commit
+    assert reply["text"].startswith(f"{OPEN} fresh-app · 0 memories · ")

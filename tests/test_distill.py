@@ -427,11 +427,22 @@ async def test_the_daily_budget_stops_model_calls_and_the_rules_take_over(monkey
             assert "model_fallback" not in first["detail"]  # paid for, valid: kept
             await client.call("ingest", events=[{**e, "key": e["key"] + "x"} for e in work_session("b2", 1_7e9)])
             second = await client.call("workers_run", name="observer", session_id="b2")
-            assert "budget" in second["detail"]["model_fallback"][0]
+            assert "would pass the daily model budget (9100 of 6000 tokens used today" \
+                in second["detail"]["model_fallback"][0]
             assert {o["origin"] for o in await _session_obs(client, "b2")} == {"observer"}
             status = await client.call("workers")
             assert status["model"]["usage"]["tokens"] == 9100 and status["model"]["daily_tokens"] == 6000
     assert len(fake.requests) == 1  # nothing was sent once the budget was spent
+
+
+async def test_a_budget_smaller_than_one_request_says_so_on_the_first_call(monkeypatch, home, model_env) -> None:
+    with FakeModel(lambda body, api: good(body, api, tokens=10)) as fake:
+        async with loomd(monkeypatch, home, **model_env("openai", fake.url, model_daily_tokens=100)) as (d, client):
+            await client.call("ingest", events=work_session("b1", 1_700_000_000))
+            first = await client.call("workers_run", name="observer", session_id="b1")
+            why = first["detail"]["model_fallback"][0]
+            assert "a request of about" in why and "(0 of 100 tokens used today" in why and "reached" not in why
+    assert fake.requests == []
 
 
 async def _session_obs(client: Any, session: str) -> list[dict[str, Any]]:
@@ -458,3 +469,17 @@ def test_a_model_client_needs_a_known_api_and_never_puts_its_key_in_errors() -> 
     client = ModelClient("openai", "http://127.0.0.1:9/v1", "m", KEY, timeout_s=0.5)
     assert client.endpoint == "http://127.0.0.1:9/v1/chat/completions"
     assert ModelClient("anthropic", "https://api.anthropic.com", "m").endpoint == "https://api.anthropic.com/v1/messages"
+
+
+async def test_a_private_project_is_never_sent_to_the_model(monkeypatch, home, model_env) -> None:
+    from loomd.ignore import PRIVATE_FILE, write_roots
+
+    write_roots(home / PRIVATE_FILE, [PROJECT])  # as `loom project private` writes it
+    with FakeModel(lambda body, api: good(body, api, tokens=10)) as fake:
+        async with loomd(monkeypatch, home, **model_env("openai", fake.url)) as (_, client):
+            await client.call("ingest", events=work_session("pv1", 1_700_000_000))
+            run = await client.call("workers_run", name="observer", session_id="pv1")
+            assert run["outcome"] == "ok"
+            assert f"{PROJECT} is private" in run["detail"]["model_fallback"][0]
+            assert {o["origin"] for o in await _session_obs(client, "pv1")} == {"observer"}  # the rules ran
+    assert fake.requests == []

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from conftest import REPO, serving
+from conftest import REPO, path_without_agents, serving
 from test_spool import shim_spool
 
 from loomd.client import AsyncClient
@@ -100,7 +100,8 @@ def assert_status(findings: dict[str, Finding], name: str, status: str, *words: 
 
 
 async def test_healthy_install_has_no_fail(daemon: Daemon, user_home: Path, systemctl: Path) -> None:
-    env = {**env_for(user_home), "PATH": "/usr/bin:/bin"}  # no agent CLIs: `install` writes the settings files
+    # No agent CLIs (whatever this machine has): `install` writes the settings files.
+    env = {**env_for(user_home), "PATH": path_without_agents(user_home / "bin")}
     for agent in ("claude", "codex"):
         done = await asyncio.to_thread(subprocess.run, [LOOM, "install", agent, "--settings-only"], env=env,
                                        capture_output=True, text=True, timeout=120)
@@ -185,11 +186,24 @@ def test_service_problems_are_fails(home: Path, user_home: Path, systemctl: Path
 
 
 async def test_broken_hooks_are_fails(home: Path, user_home: Path, tmp_path: Path) -> None:
-    found = await checks(user_home)
-    assert found["hooks (claude)"].status in ("OK", "WARN")  # not set up, or set up without hooks
+    # What is on this machine's PATH never decides the outcome: the checks get a PATH of their own.
+    bare = tmp_path / "bare-bin"
+    bare.mkdir()
     (user_home / ".claude").mkdir()
-    found = await checks(user_home)
-    assert_status(found, "hooks (claude)", "WARN", "no loomd hook", "loom install claude")
+    (user_home / ".codex").mkdir()  # a leftover folder alone is no sign the agent is in use
+    found = await checks(user_home, PATH=str(bare))
+    assert_status(found, "hooks (claude)", "OK", "not on PATH")
+    assert_status(found, "hooks (codex)", "OK", "not on PATH")
+    agents = tmp_path / "agents-bin"
+    agents.mkdir()
+    for name in ("claude", "codex"):
+        (agents / name).write_text("#!/bin/sh\nexit 0\n")
+        (agents / name).chmod(0o755)
+    found = await checks(user_home, PATH=str(agents))
+    assert_status(found, "hooks (claude)", "WARN", f"claude is installed ({agents / 'claude'})", "no loomd hook",
+                  "loom install claude")
+    assert_status(found, "hooks (codex)", "WARN", "codex is installed", "loom install codex")
+    (user_home / ".codex").rmdir()
     install_hooks(user_home, python=str(tmp_path / "deleted-venv" / "bin" / "python"))
     found = await checks(user_home)
     assert_status(found, "hooks (claude)", "FAIL", "deleted-venv", "loom install claude")
@@ -353,3 +367,28 @@ async def test_orphan_temp_files_and_quarantined_files_are_reported_with_fixes_t
                 assert [e["kind"] for e in events] == ["Stop"], session
     assert_status(found, "spool temp files", "OK")
     assert_status(found, "spool", "OK")
+
+
+class _NoModelList(http.server.BaseHTTPRequestHandler):
+    """A local model server that answers chat completions but not GET /models (llama.cpp-style servers)."""
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        self.send_response(501)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+async def test_a_model_server_that_lists_no_models_is_fine(home: Path, user_home: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoModelList)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        found = await checks(user_home, LOOMD_MODEL_API="openai", LOOMD_MODEL_URL=url)
+        assert_status(found, "model endpoint", "OK", "reachable", "does not list models")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -252,3 +252,43 @@ def test_make_embedder(openai_url: str) -> None:
     remote.close()
     with pytest.raises(EmbedderError, match="unknown embedder"):
         make_embedder(Config(embedder="word2vec"))
+
+
+async def test_a_private_project_never_reaches_a_remote_embedder(
+        openai_url: str, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`loom project private`: the project's memories and the queries made in it stay on this machine; the other
+    projects' go to the endpoint as before."""
+    import asyncio
+
+    from click.testing import CliRunner
+    from conftest import caught_up, serving
+
+    from loomd.cli import main as cli_main
+    from loomd.client import AsyncClient
+
+    for name, value in (("EMBEDDER", "openai"), ("EMBED_URL", openai_url), ("EMBED_MODEL", "m"), ("EMBED_DIM", "8")):
+        monkeypatch.setenv(f"LOOMD_{name}", value)
+    secret, public = tmp_path / "secret", tmp_path / "public"
+    secret.mkdir()
+    public.mkdir()
+    async with serving(home / "loomd.sock"), AsyncClient(home / "loomd.sock") as client:
+        marked = await asyncio.to_thread(CliRunner().invoke, cli_main, ["project", "private", str(secret)])
+        assert marked.exit_code == 0 and f"private dir:{secret}" in marked.output, marked.output
+        await client.call("store", text="The Quokkafrost launch moves to May", cwd=str(secret))
+        await client.call("store", text="The exporter writes one CSV file per tenant", cwd=str(public))
+        await caught_up(client)
+        found = await client.call("search", query="when is the Quokkafrost launch", cwd=str(secret))
+        assert [m["text"] for m in found["results"]] == ["The Quokkafrost launch moves to May"]  # by keyword
+        assert any("is private" in note for note in found["notes"])
+        await client.call("search", query="tenant export format", cwd=str(public))
+        sent = json.dumps(_FakeOpenAI.requests)
+        assert "The exporter writes one CSV file per tenant" in sent and "tenant export format" in sent
+        assert "Quokkafrost" not in sent
+
+        shared = await asyncio.to_thread(CliRunner().invoke, cli_main, ["project", "include", str(secret)])
+        assert shared.exit_code == 0 and f"shared dir:{secret} again" in shared.output, shared.output
+        await client.call("store", text="A new note wakes the back-fill", cwd=str(public))
+        await caught_up(client)
+        await client.call("search", query="when is the Quokkafrost launch", cwd=str(secret))
+        sent = json.dumps(_FakeOpenAI.requests)
+        assert "The Quokkafrost launch moves to May" in sent and "when is the Quokkafrost launch" in sent

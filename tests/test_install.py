@@ -19,6 +19,7 @@ from conftest import REPO
 from loomd.errors import LoomdError
 from loomd.installer.agents import TOML_MARK, plan, toml_with_codex_keys
 from loomd.installer.plugin import EVENTS, PINNED_PYTHON, SHIM_MARK, static_files
+from loomd.installer.steps import Remove
 
 THEIRS = {"Stop": [{"hooks": [{"type": "command", "command": "notify-send done"}]}],
           "PreToolUse": [{"matcher": "Bash", "hooks": [{"type": "command", "command": "audit.sh", "timeout": 3}]}]}
@@ -302,3 +303,9 @@ def test_both_agents_share_one_rendered_plugin(env: dict[str, str], home: Path) 
     assert set(json.loads((home / "installs.json").read_text())) == {"codex"}
     uninstall(env, "codex")
     assert not (home / "plugin").exists() and not (home / "installs.json").exists()
+
+
+def test_removing_what_is_not_there_says_so_plainly(tmp_path: Path) -> None:
+    assert Remove(tmp_path / "never-made").run() == f"nothing to remove at {tmp_path / 'never-made'}"
+    (tmp_path / "made").write_text("x")
+    assert Remove(tmp_path / "made").run() == f"removed {tmp_path / 'made'}"

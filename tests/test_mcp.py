@@ -23,11 +23,12 @@ from agents import (
     write_claude_mcp_config,
     write_codex_config,
 )
-from conftest import REPO
+from conftest import REPO, path_without_agents
 from fake_models import AnthropicFake, OpenAIResponsesFake
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
+from loomd import __version__
 from loomd.daemon import Daemon
 from loomd.mcp import TOOLS
 
@@ -132,6 +133,7 @@ def test_import_stays_light_and_start_is_fast(home: Path) -> None:
         proc.wait(10)
         proc.stdout.close()
         assert reply["result"]["serverInfo"]["name"] == "loom"
+        assert reply["result"]["serverInfo"]["version"] == __version__  # its own, not the SDK's
     assert min(timings) < 1.0, f"MCP handshake took {timings}"
 
 
@@ -236,7 +238,8 @@ def test_loom_install_mcp_without_the_clients_edits_their_files(tmp_path: Path) 
     codex_toml = user_home / ".codex" / "config.toml"
     original = 'model = "gpt-5"  # keep me\n\n[mcp_servers.other]\ncommand = "y"\n'
     codex_toml.write_text(original)
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(user_home), "LOOMD_HOME": "/srv/loom"}
+    # No claude or codex on PATH (whatever this machine has): the config files are edited, not the CLIs run.
+    env = {"PATH": path_without_agents(user_home / "bin"), "HOME": str(user_home), "LOOMD_HOME": "/srv/loom"}
     done = loom("install", "mcp", env=env)
     assert done.returncode == 0, done.stderr
     doc = json.loads(claude_json.read_text())

@@ -436,7 +436,7 @@ def test_cli_output_holds_no_secret(daemon_process: Callable[..., DaemonProcess]
                 ["detail", "--json", *map(str, ids)], ["events", "--json", "--limit", "500"], ["events"],
                 ["evidence", *map(str, ids[:20])], ["timeline", "--json", "--limit", "200"], ["context"],
                 ["config", "--json"], ["config"], ["config", "--local", "--json"], ["status", "--json"],
-                ["call", "search", "--json", '{"query": "deploy", "limit": 200}']]
+                ["call", "search", "--args", '{"query": "deploy", "limit": 200}'], ["stats"], ["projects", "--json"]]
     outputs = 0
     for argv in commands:
         run = subprocess.run([sys.executable, "-c", "from loomd.cli import main; main()", *argv], env=env, cwd=home,

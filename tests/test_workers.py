@@ -672,3 +672,84 @@ def test_the_replay_script_prints_and_writes_json(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     [session] = data["sessions"]
     assert session["observations"] and session["durable"] and not data["failed_runs"]
+
+
+# --- the user's switches: auto-capture, kinds never extracted, GC -------------------------------------------------
+
+async def test_auto_capture_off_leaves_distilling_to_the_workers(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, auto_capture=False) as (_, client):
+        await ingest(client, work_session("ac1", 1_700_000_000))
+        assert [m for m in await memories(client) if m["origin"].startswith("capture:")] == []
+        await observe_and_reflect(client, ["ac1"])
+        assert any("logging module" in m["text"] for m in await memories(client, kind="constraint"))
+
+
+async def test_auto_capture_on_captures_at_ingest(monkeypatch, home) -> None:
+    """The control of the test above: the same session, the switch at its default."""
+    async with loomd(monkeypatch, home) as (_, client):
+        await ingest(client, work_session("ac2", 1_700_000_000))
+        assert [m for m in await memories(client) if m["origin"].startswith("capture:")]
+
+
+async def test_kinds_switched_off_are_never_extracted(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, extract_off="constraint, insight") as (_, client):
+        await ingest(client, work_session("ko1", 1_700_000_000))
+        await observe_and_reflect(client, ["ko1"])
+        kinds = {m["kind"] for m in await memories(client) if m["archived_at"] is None}
+        assert "constraint" not in kinds and "insight" not in kinds
+        assert "observation" in kinds and "decision" in kinds  # everything else as before
+        # The observation of the rule is kept (it is evidence of what was said), only the durable rule is not.
+        assert any("logging module" in m["text"] for m in await memories(client, kind="observation"))
+
+
+async def test_gc_off_runs_only_when_asked(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home, gc=False) as (d, client):
+        stale = (await client.call("store", text="a note that expired long ago", cwd="/tmp", expires=1.0))["id"]
+        scheduled = await d.scheduler.run("gc", trigger="interval")
+        assert "gc is off" in scheduled["detail"]["skipped"]
+        assert (await client.call("detail", id=stale))["memories"][0]["archived_at"] is None
+        asked = await client.call("workers_run", name="gc")
+        assert asked["outcome"] == "ok"
+        assert (await client.call("detail", id=stale))["memories"][0]["archived_at"] is not None
+
+
+async def test_a_project_sets_its_own_capture_and_kinds(monkeypatch, home) -> None:
+    (home / "config.toml").write_text(f'[project."{PROJECT}"]\nauto_capture = false\nextract_off = "constraint"\n')
+    async with loomd(monkeypatch, home) as (_, client):
+        other = [{**e, "project": "proj-x", "key": e["key"] + "x"} for e in work_session("px1", 1_700_000_000)]
+        await ingest(client, [*work_session("pw1", 1_700_000_000), *other])
+        captured = {m["project"] for m in await memories(client) if m["origin"].startswith("capture:")}
+        assert captured == {"proj-x"}  # the other project captures as before
+        await observe_and_reflect(client, ["pw1", "px1"])
+        await client.call("workers_run", name="reflector", project="proj-x")
+        rules = {m["project"] for m in await memories(client, kind="constraint")}
+        assert rules == {"proj-x"}
+        shown = (await client.call("config"))[f'project."{PROJECT}".extract_off']
+        assert shown["value"] == "constraint" and shown["source"].endswith("config.toml")
+
+
+async def test_banned_kinds_are_archived_by_gc_and_a_project_may_lift_the_ban(monkeypatch, home) -> None:
+    (home / "config.toml").write_text('extract_banned = "insight"\n[project."proj-x"]\nextract_banned = ""\n')
+    async with loomd(monkeypatch, home) as (_, client):
+        banned = (await client.call("store", text="Flaky tests come from shared tmp dirs", kind="insight",
+                                    project=PROJECT))["id"]
+        lifted = (await client.call("store", text="Flaky tests come from shared ports", kind="insight",
+                                    project="proj-x"))["id"]
+        kept = (await client.call("store", text="We deploy with make release", kind="procedure",
+                                  project=PROJECT))["id"]
+        assert (await client.call("workers_run", name="gc"))["outcome"] == "ok"
+        shown = (await client.call("detail", id=[banned, lifted, kept]))["memories"]
+        state = {m["id"]: m["archived_at"] for m in shown}
+        assert state[banned] is not None and state[lifted] is None and state[kept] is None
+
+
+def test_a_project_table_may_set_only_what_a_project_owns(tmp_path: Path) -> None:
+    from loomd.config import load_config
+    from loomd.errors import BadRequest
+
+    (tmp_path / "config.toml").write_text('[project."proj-w"]\ngc = false\n')
+    with pytest.raises(BadRequest, match="cannot set 'gc'; a project sets: auto_capture, extract_off, extract_banned"):
+        load_config({"LOOMD_HOME": str(tmp_path)})
+    (tmp_path / "config.toml").write_text('project = "proj-w"\n')
+    with pytest.raises(BadRequest, match=r"\[project\] must hold tables"):
+        load_config({"LOOMD_HOME": str(tmp_path)})

@@ -26,6 +26,7 @@ from loomd.context.render import (
     render_start_block,
 )
 from loomd.ingest.events import Event
+from loomd.ingest.project import project_folder
 from loomd.search.retrieval import Hit, covered_terms
 from loomd.store.db import Store
 from loomd.store.entities import extract_entities
@@ -209,7 +210,7 @@ class Planner:
         if frozen is not None:
             return frozen, []
         lines, counts = await start_lines(self.store, project)
-        text, ids = render_start_block(project_label(project), lines, counts, self.config().start_block_budget(agent))
+        text, ids = render_start_block(_label(project), lines, counts, self.config().start_block_budget(agent))
         if self._freezing.setdefault(session_id, text) != text:
             return self._freezing[session_id], []  # a concurrent start rendered first; its block is the session's
         self._mark_later(session_id, ids, written, freeze=text)
@@ -218,14 +219,14 @@ class Planner:
     async def preview_start(self, project: str, agent: str) -> tuple[str, list[int]]:
         """The start block a new session of `project` would get now; nothing is frozen or marked."""
         lines, counts = await start_lines(self.store, project)
-        return render_start_block(project_label(project), lines, counts, self.config().start_block_budget(agent))
+        return render_start_block(_label(project), lines, counts, self.config().start_block_budget(agent))
 
     async def compact(
         self, session_id: str, project: str, written: Awaitable[Any] | None = None,
     ) -> tuple[str, list[int]]:
         budget = self.config().reflection_context_max_tokens * 4
         lines = await session_lines(self.store, session_id, project, budget)
-        text, ids = render_compact_block(project_label(project), lines, budget)
+        text, ids = render_compact_block(_label(project), lines, budget)
         self._mark_later(session_id, ids, written)
         return text, ids
 
@@ -284,6 +285,11 @@ async def _mark(db: Any, session_id: str, ids: list[int]) -> None:
     marks = ",".join("?" * len(ids))
     # An injected memory is in the working set: GC and the dropper leave it alone.
     await db.execute(f"UPDATE memories SET last_hit = strftime('%s','now') WHERE id IN ({marks})", ids)
+
+
+def _label(project: str) -> str:
+    """The project's name in a block header (a repository keyed by its root commit: its folder's name)."""
+    return project_label(project, project_folder(project))
 
 
 def _foreign(hit: dict[str, Any], session_id: str) -> bool:
@@ -347,7 +353,24 @@ async def start_lines(store: Store, project: str, now: float | None = None) -> t
                 lines.append(Line(row["id"], "digest", row["created"], row["text"].split("\n", 1)[0]))
                 continue
             lines.append(line_of(row))
-    return lines, counts
+    return await without_contradicted(store, lines), counts
+
+
+async def without_contradicted(store: Store, lines: list[Line]) -> list[Line]:
+    """The lines minus each one a newer live memory contradicts (a `contradicts` edge, either way round): the start
+    block never shows a rule next to the rule that replaced it."""
+    ids = [line.id for line in lines]
+    if not ids:
+        return lines
+    rows = await store.fetchall(
+        "SELECT e.src_id, e.dst_id, a.created, b.created FROM edges e"
+        " JOIN memories a ON a.id = e.src_id JOIN memories b ON b.id = e.dst_id"
+        " WHERE e.type = 'contradicts' AND e.src_type = 'memory' AND e.dst_type = 'memory'"
+        " AND a.archived_at IS NULL AND b.archived_at IS NULL"
+        " AND (e.src_id IN (SELECT value FROM json_each(?)) OR e.dst_id IN (SELECT value FROM json_each(?)))",
+        [json.dumps(ids), json.dumps(ids)])
+    older = {dst if (src_created, src) > (dst_created, dst) else src for src, dst, src_created, dst_created in rows}
+    return [line for line in lines if line.id not in older]
 
 
 async def session_lines(store: Store, session_id: str, project: str, char_budget: int) -> list[Line]:

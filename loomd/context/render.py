@@ -62,12 +62,19 @@ def sanitise(text: str) -> str:
     return re.sub(r"\[(\s*/?\s*LOOM)", r"(\1", text, flags=re.IGNORECASE)
 
 
-def project_label(project: str) -> str:
+ROOT_COMMIT_KEY = re.compile(r"git:[0-9a-f]{16}")
+
+
+def project_label(project: str, folder: str | None = None) -> str:
+    """A project's short name: `org/repo` of a remote, the folder of a directory (or, given `folder`, of a repository
+    keyed by its root commit, which names nothing a person would recognise)."""
+    if folder and (ROOT_COMMIT_KEY.fullmatch(project) or project == "unknown"):
+        return folder
     if project.startswith("git:"):
         parts = project[4:].split("/")
         return "/".join(parts[-2:]) if len(parts) >= 2 else project[4:]
     if project.startswith("dir:"):
-        return project.rstrip("/").rsplit("/", 1)[-1] or project
+        return project[4:].rstrip("/").rsplit("/", 1)[-1] or project[4:] or project
     return project
 
 
@@ -85,21 +92,36 @@ def render_line(line: Line, limit: int = MAX_LINE) -> str:
     return head + clip(sanitise(line.text), room) + tail
 
 
+def _group_of(kind: str) -> str:
+    if kind == "observation":  # the user's asks are the only observations the start block shows
+        return "asks"
+    return next((group for group, kinds in START_GROUPS if kind in kinds), "notes")
+
+
+def _start_header(label: str, total: int, shown: Sequence[Line]) -> str:
+    """`[LOOM] name · N memories · shown: 2 rules, 1 asks, … · frame`: the counts are of the lines below it."""
+    groups: dict[str, int] = {}
+    for line in shown:
+        group = _group_of(line.kind)
+        groups[group] = groups.get(group, 0) + 1
+    order = [group for group, _ in START_GROUPS] + ["notes"]
+    summary = ", ".join(f"{groups[g]} {g}" for g in order if g in groups)
+    return (f"{OPEN} {sanitise(label)} · {total} memories{f' · shown: {summary}' if summary else ''} · {FRAME}")
+
+
 def render_start_block(label: str, lines: Sequence[Line], counts: dict[str, int], budget: int) -> tuple[str, list[int]]:
     """The session-start block and the ids it shows; never longer than `budget` characters."""
     total = sum(counts.values())
-    letters: dict[str, int] = {}
-    for kind, n in counts.items():
-        letters[KIND_LETTERS.get(kind, "?")] = letters.get(KIND_LETTERS.get(kind, "?"), 0) + n
-    summary = " ".join(f"{n}{letter}" for letter, n in sorted(letters.items()) if n)
-    header = f"{OPEN} {sanitise(label)} · {total} memories{f' ({summary})' if summary else ''} · {FRAME}"
+    # The header counts what is shown, known only after the body: room is kept for the longest it could be (every
+    # line shown), and counts only shrink.
+    header = _start_header(label, total, lines)
     footer = f"{FOOTER} {CLOSE}"
     if not lines:
         block = f"{header}\n{footer}"
         return (block if len(block) <= budget else f"{OPEN}{CLOSE}"[:budget]), []
     used = len(header) + 1 + len(footer)
     body: list[str] = []
-    ids: list[int] = []
+    shown: list[Line] = []
     for line in lines:
         rendered = render_line(line)
         if used + len(rendered) + 1 > budget:
@@ -109,11 +131,11 @@ def render_start_block(label: str, lines: Sequence[Line], counts: dict[str, int]
                 continue
             rendered = render_line(line, room)
         body.append(rendered)
-        ids.append(line.id)
+        shown.append(line)
         used += len(rendered) + 1
     if used > budget:
         return f"{OPEN}{CLOSE}"[:budget], []
-    return "\n".join([header, *body, footer]), ids
+    return "\n".join([_start_header(label, total, shown), *body, footer]), [line.id for line in shown]
 
 
 def render_recall_block(lines: Sequence[Line], budget: int, max_lines: int) -> tuple[str, list[int]]:

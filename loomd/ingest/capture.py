@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import aiosqlite
 
+from loomd.config import Config
 from loomd.ingest.events import Event
 from loomd.ingest.reading import (
     EDIT_TOOLS,
@@ -258,20 +259,29 @@ def prompt_text(event: Event) -> str | None:
 class Capturer:
     """The ingest processor: applies RULES to each stored event, within a per-session rate limit."""
 
-    def __init__(self, rate_per_session: int, memories: MemoryWriter) -> None:
+    def __init__(self, rate_per_session: int, memories: MemoryWriter,
+                 config: Callable[[], Config] | None = None) -> None:
         self.rate = rate_per_session
         self.memories = memories
+        self.config = config  # `auto_capture` and `extract_off`, read per batch (SIGHUP reloads them)
         self.sessions: dict[str, SessionMemory] = {}
         self.fired: dict[str, int] = {}
 
     async def __call__(self, db: aiosqlite.Connection, events: Sequence[Event]) -> None:
+        cfg = self.config() if self.config is not None else None
         for event in events:
+            own = cfg.for_project(event.project) if cfg is not None else None  # `[project."<key>"]` over the rest
+            if own is not None and not own.auto_capture:
+                continue
+            off = own.kinds_off() if own is not None else frozenset()
             run = await tool_run(db, event)
             prompt = prompt_text(event)
             if run is None and prompt is None:
                 continue
             state = self.sessions.setdefault(event.session_id, SessionMemory())
             for capture in evaluate(run, prompt, state):
+                if capture.kind in off:
+                    continue
                 memory_id = await self._store(db, event, capture)
                 if memory_id is None or run is None:
                     continue

@@ -9,6 +9,9 @@ from pathlib import Path
 
 _GIT_TIMEOUT_S = 2.0
 _cache: dict[str, str] = {}
+# Project key -> the name of the folder it was last seen in: a repository without a remote is keyed by its root
+# commit, which names nothing a person would recognise.
+_folders: dict[str, str] = {}
 
 
 def normalise_remote(url: str) -> str:
@@ -42,6 +45,7 @@ async def project_of(cwd: str | None) -> str:
     if cwd in _cache:
         return _cache[cwd]
     key = f"dir:{os.path.normpath(cwd)}"  # noqa: ASYNC240 - pure string work
+    common = ""
     if await asyncio.to_thread(os.path.isdir, cwd):
         try:
             # --git-common-dir makes every worktree of one repository resolve to the same project.
@@ -56,4 +60,10 @@ async def project_of(cwd: str | None) -> str:
         except OSError:
             pass  # no git binary: the directory is the identity
     _cache[cwd] = key
+    _folders[key] = Path(common).parent.name if key.startswith("git:") and common else Path(cwd).name
     return key
+
+
+def project_folder(key: str) -> str | None:
+    """The folder name a project key was last resolved from in this process (None if never)."""
+    return _folders.get(key)

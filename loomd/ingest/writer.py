@@ -14,6 +14,8 @@ from typing import Any
 import aiosqlite
 
 from loomd.errors import Busy
+from loomd.ignore import FILE_NAME as IGNORED_FILE
+from loomd.ignore import IgnoredProjects
 from loomd.ingest.events import PROMPT_MARK, Event, paired_dedup
 from loomd.ingest.parser import EventParser
 from loomd.ingest.project import project_of
@@ -68,6 +70,7 @@ class EventWriter:
         self.committed = 0
         self.parser = EventParser()
         self.losses = Losses()
+        self.ignored = IgnoredProjects(store.path.parent / IGNORED_FILE)  # `loom project ignore`
 
     @property
     def depth(self) -> int:
@@ -91,6 +94,8 @@ class EventWriter:
         `also` runs inside the same transaction (a tailer's offset, a worker's watermark), so it commits
         together with the events or not at all.
         """
+        # A folder the user keeps out of memory: its events are acknowledged and dropped (stored stays 0).
+        events = [event for event in events if not self.ignored.covers(event.cwd)]
         for event in events:
             if not event.project:
                 event.project = await project_of(event.cwd)

@@ -539,8 +539,9 @@ def _broken(command: str, plugin_root: Path | None = None) -> str | None:
     return None
 
 
-def _agent_finding(agent: str, present: bool, commands: list[tuple[str, Path | None]], plugins: list[str],
+def _agent_finding(agent: str, present: str, commands: list[tuple[str, Path | None]], plugins: list[str],
                    fix: str) -> Finding:
+    """`present`: what shows the agent is in use (its CLI on PATH), or "" when nothing does."""
     name = f"hooks ({agent})"
     ours = [(cmd, root) for cmd, root in commands if any(m in cmd for m in HOOK_MARKERS)]
     for cmd, root in ours:
@@ -558,8 +559,14 @@ def _agent_finding(agent: str, present: bool, commands: list[tuple[str, Path | N
     if plugins:
         return ok(name, f"loomd plugin {', '.join(plugins)} enabled")
     if not present:
-        return ok(name, f"{agent} is not set up for this user; nothing to check")
-    return warn(name, f"{agent} is set up but no loomd hook is registered: its sessions are not captured", fix)
+        return ok(name, f"{agent} is not on PATH and registers no loomd hook; nothing to check")
+    return warn(name, f"{present}, but no loomd hook is registered: its sessions are not captured", fix)
+
+
+def _in_use(agent: str, c: Checkup) -> str:
+    """What shows that `agent` is used here: its CLI on the checked PATH (a leftover config folder does not)."""
+    found = shutil.which(agent, path=c.env.get("PATH"))
+    return f"{agent} is installed ({found})" if found else ""
 
 
 def check_claude_hooks(c: Checkup) -> Finding:
@@ -571,8 +578,7 @@ def check_claude_hooks(c: Checkup) -> Finding:
     for root in roots.values():
         hooks_file = _read_json(root / "hooks" / "hooks.json")
         commands += [(cmd, root) for cmd in _hook_commands(hooks_file.get("hooks"))]
-    present = base.is_dir() or shutil.which("claude") is not None
-    return _agent_finding("claude", present, commands, enabled, "loom install claude")
+    return _agent_finding("claude", _in_use("claude", c), commands, enabled, "loom install claude")
 
 
 def check_codex_hooks(c: Checkup) -> Finding:
@@ -595,8 +601,7 @@ def check_codex_hooks(c: Checkup) -> Finding:
         for root in sorted((base / "plugins" / "cache" / market / plugin).glob("*")):
             for name in ("hooks/codex.json", "hooks/hooks.json"):
                 commands += [(cmd, root) for cmd in _hook_commands(_read_json(root / name).get("hooks"))]
-    present = base.is_dir() or shutil.which("codex") is not None
-    finding = _agent_finding("codex", present, commands, enabled, "loom install codex")
+    finding = _agent_finding("codex", _in_use("codex", c), commands, enabled, "loom install codex")
     trusted = [k for k, v in ((config.get("hooks") or {}).get("state") or {}).items()
                if isinstance(v, dict) and v.get("trusted_hash")]
     if finding.status == "OK" and (commands or enabled) and not trusted:
@@ -626,6 +631,10 @@ def check_model_endpoint(c: Checkup) -> Finding:
         return fail(name, f"{cfg.model_url} is unreachable: {exc}", "start the model server or fix model_url")
     if reply.status_code in (401, 403):
         return fail(name, f"{cfg.model_url} refused the key (HTTP {reply.status_code})", "fix model_key")
+    if reply.status_code in (404, 405, 501):
+        # Many local servers answer chat completions but do not list their models: not a fault of the endpoint.
+        return ok(name, f"{cfg.model_api} endpoint {cfg.model_url} reachable (it does not list models: HTTP "
+                        f"{reply.status_code} on /models; loomd does not need the list)")
     if reply.status_code >= 500:
         return warn(name, f"{cfg.model_url} answers HTTP {reply.status_code}", "check the model server's log")
     return ok(name, f"{cfg.model_api} endpoint {cfg.model_url} reachable (HTTP {reply.status_code})")

@@ -128,7 +128,7 @@ class Remove:
         elif self.path.exists() or self.path.is_symlink():
             self.path.unlink()
         else:
-            return f"already gone: {self.path}"
+            return f"nothing to remove at {self.path}"
         return f"removed {self.path}"
 
 

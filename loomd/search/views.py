@@ -71,13 +71,13 @@ async def evidence(store: Store, ids: Sequence[int], *, max_chars: int = 600, li
             " ORDER BY e.ts, e.id LIMIT ?", (memory_id, limit))
         total = await store.scalar("SELECT count(*) FROM memory_sources WHERE memory_id = ?", (memory_id,))
         item = {k: row[k] for k in ("id", "kind", "text", "project", "session_id", "created", "archived_at")}
-        item["events"] = [_event_view(e, max_chars) for e in events]
+        item["events"] = [event_view(e, max_chars) for e in events]
         item["events_total"] = int(total or 0)
         out.append(item)
     return out
 
 
-def _event_view(row: Any, max_chars: int) -> dict[str, Any]:
+def event_view(row: Any, max_chars: int) -> dict[str, Any]:
     try:
         payload = json.loads(row["payload"])
     except ValueError:

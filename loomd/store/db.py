@@ -236,6 +236,13 @@ class Store:
                     raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
                 raise
 
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[aiosqlite.Connection]:
+        """The writer with no transaction open, no other write running: for what cannot run inside one (VACUUM, a
+        WAL checkpoint, a PRAGMA for what follows). The caller begins and ends its own transactions."""
+        async with self._write_lock:
+            yield self.writer
+
     async def fetchall(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
         # One trip to the reader's thread (execute, fetch and close there), not three: on the hook path each trip
         # costs about as much as a small query.

@@ -20,9 +20,10 @@ import aiosqlite
 import numpy as np
 
 from loomd.errors import EmbedderError, StorageError
+from loomd.ignore import PRIVATE_FILE, PrivateProjects
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.vectors.backfill import BATCH, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
-from loomd.vectors.embed import Embedder, NoEmbedder, make_embedder
+from loomd.vectors.embed import LOCAL_NAME, Embedder, NoEmbedder, make_embedder
 from loomd.vectors.index import PREFILTER, BitIndex, Filters
 
 if TYPE_CHECKING:
@@ -102,6 +103,8 @@ class VectorService:
         self._conn: sqlite3.Connection | None = None  # the back-fill thread's
         self._vec_reader: aiosqlite.Connection | None = None
         self._queries = 0
+        self.private = PrivateProjects(store.path.parent / PRIVATE_FILE)  # `loom project private`
+        self._private_keys = self.private.current()
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill", initializer=lower_priority)
         self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query", initializer=lower_priority)
 
@@ -187,6 +190,11 @@ class VectorService:
         self._written.difference_update(written)
         self._dirty.update(written)
 
+    def _shareable(self, project: str | None) -> bool:
+        """Whether a text of `project` may go to the embedder: a private project's only to the local model."""
+        assert self.embedder is not None
+        return self.embedder.name == LOCAL_NAME or project not in self.private
+
     @property
     def caught_up(self) -> bool:
         return self.state != "loading" and (self.state != "ready" or not (self._busy or self._wake.is_set()))
@@ -230,13 +238,17 @@ class VectorService:
     def _plan(self) -> Plan | None:
         assert self.embedder is not None
         conn = self._connection()
+        keys = self.private.current()
+        if keys != self._private_keys:  # a project made shareable again: what it skipped is embedded now
+            self._private_keys, self._cursor = keys, 0
         # At most a batch of them: a big write (a session's evidence) must not become one embedding call of minutes
         # that shutdown would have to wait for; the rest stay dirty for the next rounds.
         while True:
             dirty = sorted(self._dirty)[:BATCH]
             self._dirty.difference_update(dirty)
-            batch, self._cursor = scan(conn, self.embedder.name, dirty, self._cursor)
-            if batch or not self._dirty:
+            scanned, self._cursor = scan(conn, self.embedder.name, dirty, self._cursor)
+            batch = [s for s in scanned if self._shareable(s.project)]
+            if batch or (not self._dirty and len(scanned) < BATCH):
                 break
         if not batch:
             self.pending = 0
@@ -303,6 +315,8 @@ class VectorService:
         reader = self._vec_reader
         if not self.searchable() or self.index is None or reader is None:
             return None
+        if not self._shareable(filters.project):
+            raise EmbedderError(f"project {filters.project} is private: its queries are not sent to the embedder")
         started = time.perf_counter()
         vector, ranked, eligible, embed_ms, rank_ms = await asyncio.get_running_loop().run_in_executor(
             self._query, self._embed_and_rank, query, filters, max(prefilter, k), not mixed)

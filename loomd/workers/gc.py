@@ -77,17 +77,32 @@ class GC:
 
     async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
         cfg, now = ctx.config(), time.time()
+        if not cfg.gc and req.trigger != "manual":
+            report.detail["skipped"] = "gc is off (config gc = false): it runs only when asked"
+            return
         async with ctx.write(req.dry_run) as db:
             protected = await working_set(db, cfg, now)
             before = report.items_out
             await self.expire(db, cfg, now, protected, report)
             await self.cap(db, cfg, now, protected, report, req.project)
             await self.stale_tasks(db, cfg, now, protected, report)
+            await self.banned(db, cfg, report)
             await self.dangling_edges(db, report)
             if cfg.event_ttl_days > 0:
                 await self.purge_events(db, cfg, now, report)
             await progress(db, report, 0, report.items_out - before)
         report.detail["protected"] = len(protected)
+
+    async def banned(self, db: aiosqlite.Connection, cfg: Config, report: RunReport) -> None:
+        """Memories of a kind the user banned (`extract_banned`, or a project's own): archived, working set or not."""
+        own = {p: cfg.for_project(p).kinds_banned() for p, s in cfg.projects.items() if "extract_banned" in s}
+        rules = [(cfg.kinds_banned(), "project NOT IN (SELECT value FROM json_each(?))", json.dumps(sorted(own)))]
+        rules += [(kinds, "project = ?", project) for project, kinds in own.items()]
+        for kinds, where, param in rules:
+            if kinds:
+                ids = await _ids(db, f"SELECT id FROM memories WHERE archived_at IS NULL AND {where} AND kind IN"
+                                     " (SELECT value FROM json_each(?))", (param, json.dumps(sorted(kinds))))
+                await archive(db, sorted(ids), "banned kind", report)
 
     async def expire(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int],
                      report: RunReport) -> None:

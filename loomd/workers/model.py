@@ -23,6 +23,7 @@ import httpx
 
 from loomd.config import Config
 from loomd.errors import ModelError
+from loomd.ignore import PRIVATE_FILE, PrivateProjects
 from loomd.redact import redact_text
 from loomd.workers.rules import IMPORTANCE, TYPES, observe
 from loomd.workers.steps import Observation, SourceEvent, Step, to_steps
@@ -248,8 +249,13 @@ class ModelDistiller:
         self.daily_tokens = daily_tokens
         self.store = store
         self.last_error = ""
+        self.private = PrivateProjects(store.path.parent / PRIVATE_FILE)  # `loom project private`
 
     async def observe(self, events: Sequence[SourceEvent], context: Sequence[SourceEvent]) -> list[Observation] | None:
+        private = sorted({e.project for e in events if e.project in self.private})
+        if private:
+            self.last_error = f"project {private[0]} is private: nothing of it is sent to the model"
+            return None
         by_id = {e.id: e for e in events}
         steps = [s for s in to_steps([*context, *events]) if s.ids[-1] in by_id]
         if not steps:
@@ -259,7 +265,8 @@ class ModelDistiller:
             used = await budget_used(self.store.reader)
             cost = (len(SYSTEM_PROMPT) + len(prompt)) // 4 + MAX_OUTPUT_TOKENS
             if used + cost > self.daily_tokens:
-                self.last_error = f"daily model budget reached ({used}/{self.daily_tokens} tokens)"
+                self.last_error = (f"a request of about {cost} tokens would pass the daily model budget "
+                                   f"({used} of {self.daily_tokens} tokens used today; model_daily_tokens raises it)")
                 return None
             try:
                 reply = await self.client.complete(SYSTEM_PROMPT, prompt)

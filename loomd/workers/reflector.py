@@ -247,6 +247,7 @@ class Reflector:
                                      " ORDER BY id LIMIT ?", (project, watermark, MAX_OBSERVATIONS))
         if not fresh:
             return 0, 0
+        off = ctx.config().for_project(project).kinds_off()  # kinds the user does not want distilled
         marks = ",".join("?" * len(REFLECTION_KINDS))
         durable = await self._load(db, f"SELECT * FROM memories WHERE project = ? AND kind IN ({marks}) AND"
                                        " archived_at IS NULL AND superseded_by IS NULL", (project, *REFLECTION_KINDS))
@@ -280,7 +281,7 @@ class Reflector:
             elif kind is None and obs.type == "error":
                 members = by_error.get(_error_key(obs.text)) or [obs]
                 kind = "insight" if len({m.session_id for m in members}) >= 2 else None
-            if kind is None:
+            if kind is None or kind in off:
                 continue
             created, touched = await self.promote(db, project, kind, obs, members, pool, report)
             changed += touched

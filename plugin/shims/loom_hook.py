@@ -100,6 +100,43 @@ def resolve(environ: dict) -> tuple[bytes, bytes]:
     return _join(runtime, b"loomd.sock"), state
 
 
+def ignored_file(environ: dict) -> bytes:
+    """`<data dir>/ignored-projects` (loomd/ignore.py); mirrors resolve_paths()'s data dir."""
+    if environ.get(b"LOOMD_HOME"):
+        return _join(_dir(_expanduser(environ[b"LOOMD_HOME"], environ)), b"ignored-projects")
+    data_base = environ.get(b"XDG_DATA_HOME") or _join(_home(environ), b".local/share")
+    return _join(_join(_dir(data_base), b"loomd"), b"ignored-projects")
+
+
+def payload_cwd(raw: bytes) -> bytes:
+    """The payload's "cwd" when it is a plain JSON string (no escapes), else the process's own directory."""
+    at = raw.find(b'"cwd"')
+    if at >= 0:
+        start = raw.find(b'"', raw.find(b":", at + 5) + 1) + 1
+        end = raw.find(b'"', start)
+        if 0 < start <= end and b"\\" not in raw[start:end]:
+            return raw[start:end]
+    return posix.getcwd().encode(sys.getfilesystemencoding(), "surrogateescape")
+
+
+def ignored(environ: dict, raw: bytes) -> bool:
+    """Whether the event comes from a folder the user keeps out of memory (`loom project ignore`)."""
+    try:
+        # O_NONBLOCK: a FIFO planted there must not hold the hook; O_NOFOLLOW: nor a symlink lead elsewhere.
+        fd = posix.open(ignored_file(environ), posix.O_RDONLY | posix.O_NOFOLLOW | posix.O_NONBLOCK)
+    except OSError:
+        return False  # no list (the common case): one failed open
+    try:
+        data = posix.read(fd, 1 << 20)
+    finally:
+        posix.close(fd)
+    roots = [line.strip().rstrip(b"/") for line in data.splitlines() if line.startswith(b"/")]
+    if not roots:
+        return False
+    cwd = payload_cwd(raw).rstrip(b"/") or b"/"
+    return any(cwd == root or cwd.startswith(root + b"/") for root in roots)
+
+
 def _join(base: bytes, name: bytes) -> bytes:
     return base + name if base.endswith(b"/") else base + b"/" + name
 
@@ -495,6 +532,11 @@ def main(argv: list[str]) -> None:
             read_stdin(keep=False)
         return
     raw = read_stdin(keep=True) if payload is None else payload[:MAX_STDIN]
+    try:
+        if ignored(posix.environ, raw):
+            return  # nothing is sent, spooled or logged from an ignored folder
+    except BaseException:
+        pass
 
     state = None
     try:
