@@ -9,8 +9,9 @@ sessions of 40 memories in time order, two years of times), written with loomd's
   window, the one ending at the middle and the one ending at the end); the stretches between them are filled
   batched (not timed), so the store is as large as the batched one at each window.
 
-Per window: memories/s, per-memory (single) or per-transaction (batched) ms p50/p99, and the writer's busy share
-(time the write lock was held / wall time of the window). `--socket N`: one `store` at a time through a fresh
+Per window: memories/s, per-memory (single) or per-transaction (batched) ms p50/p99, the writer's busy share
+(time the write lock was held / wall time of the window) and this process's CPU time per memory (on a shared
+machine the cost, where wall time also counts the others' load). `--socket N`: one `store` at a time through a fresh
 daemon's socket (embedder off, so only the write path is timed) into one growing store of N; the first and last
 N/10. `--backfill N`: a daemon back-fills the vectors of the last N memories of the batched store, every memory
 before them already holding a vector (see `prefill_vectors`), timed against the embedder alone on the same N
@@ -42,6 +43,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -146,18 +148,20 @@ async def grow(path: Path, texts: list[str], mode: str, window: int, profile: bo
                 clock.reset()
             if profiler is not None and b == n:
                 profiler.enable()
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             step = BATCH if mode == "batched" else 1
             for start in range(a, b, step):
                 await timer.write(memories, texts[start : min(start + step, b)], start, n)
-            wall = time.perf_counter() - started
+            wall, cpu = time.perf_counter() - started, time.process_time() - cpu
             if profiler is not None:
                 profiler.disable()
             name = "first" if a == 0 else "at"
             key = f"{name}_{b // 1000}k" if b % 1000 == 0 and b >= 1000 else f"{name}_{b}"
             out[key] = {"from": a, "to": b, "per_s": round((b - a) / wall, 1),
                         ("txn_ms" if mode == "batched" else "ms"): percentiles(timer.samples),
-                        "writer_busy_share": round(timer.held / wall, 3)}
+                        "writer_busy_share": round(timer.held / wall, 3),
+                        # CPU time of this process (all its threads) per memory: the cost, whatever else runs
+                        "cpu_ms_per_memory": round(cpu * 1000 / (b - a), 3)}
             if clock is not None:  # where this window's writer time went, per statement
                 out[key]["statements"] = clock.top(8, b - a)
             print(f"{mode} {key}: {out[key]['per_s']}/s", file=sys.stderr, flush=True)
@@ -232,38 +236,56 @@ def prefill_vectors(path: Path, keep_last: int, model: str, dim: int) -> int:
         conn.close()
 
 
-def backfill(store_db: Path, texts: list[str], n: int) -> dict[str, Any]:
-    """The daemon's back-fill of the last `n` memories of a full store against the embedder alone on their texts."""
+def embed_alone(texts: list[str], batch: int) -> float:
+    """Texts/s of the local embedder alone, as the back-fill runs it: 2 threads, `batch` texts a call, on a thread
+    at the back-fill's lower priority (its onnxruntime threads inherit it), the model loaded there too."""
+    from loomd.vectors.embed import LocalEmbedder
+    from loomd.vectors.service import lower_priority
+
+    def run() -> float:
+        model = LocalEmbedder(threads=2)
+        model.embed(["warm up"])
+        started = time.perf_counter()
+        for start in range(0, len(texts), batch):
+            model.embed(texts[start : start + batch])
+        return len(texts) / (time.perf_counter() - started)
+
+    with ThreadPoolExecutor(1, initializer=lower_priority) as pool:
+        return pool.submit(run).result()
+
+
+def backfill(store_db: Path, n: int) -> dict[str, Any]:
+    """The daemon's back-fill of the last `n` memories of a full store against the embedder alone on their texts.
+    The rate is taken from the daemon's own counters between its first batch and the last, so loading the model
+    and the index at start is not counted."""
     from loomd.vectors.backfill import BATCH as BACKFILL_BATCH
-    from loomd.vectors.embed import LOCAL_DIM, LOCAL_NAME, LocalEmbedder
+    from loomd.vectors.embed import LOCAL_DIM, LOCAL_NAME
 
     home = Path(tempfile.mkdtemp(prefix="lmwbf", dir="/tmp"))
     shutil.copyfile(store_db, home / "loomd.db")
     prefilled = prefill_vectors(home / "loomd.db", n, LOCAL_NAME, LOCAL_DIM)
-    tail = texts[-n:]
-    # The embedder alone: same texts, same threads and batch size as the back-fill (embed_threads 2, BATCH).
-    model = LocalEmbedder(threads=2)
-    model.embed(["warm up"])
-    t = time.perf_counter()
-    for start in range(0, len(tail), BACKFILL_BATCH):
-        model.embed(tail[start : start + BACKFILL_BATCH])
-    alone = n / (time.perf_counter() - t)
-    del model
+    conn = sqlite3.connect(home / "loomd.db")
+    tail = [r[0] for r in conn.execute("SELECT text FROM memories ORDER BY id DESC LIMIT ?", (n,))][::-1]
+    conn.close()
+    alone = embed_alone(tail, BACKFILL_BATCH)
     d = Daemon({"LOOMD_EMBED_THREADS": "2"}, home=home)
     try:
-        started = time.perf_counter()
-        first = d.client.call("status")["embedder"]
-        while first["state"] == "loading":
-            time.sleep(0.05)
-            first = d.client.call("status")["embedder"]
-        status = d.wait_caught_up(timeout=3600)
-        took = time.perf_counter() - started
+        samples: list[tuple[float, int]] = []
+        while True:
+            status = d.client.call("status")["embedder"]
+            done = status["embedded"] + status["copied"]
+            if done:
+                samples.append((time.perf_counter(), done))
+            if status["state"] != "loading" and status["caught_up"] and done >= n:
+                break
+            time.sleep(0.2)
     finally:
         d.stop()
-    return {"store_memories": prefilled + n, "prefilled_synthetic_vectors": prefilled, "backfilled": n,
-            "backfill_per_s": round(n / took, 1), "embedder_alone_per_s": round(alone, 1),
-            "backfill_over_embedder": round(n / took / alone, 3), "vectors_after": status["vectors"],
-            "note": "back-fill time includes loading the model and the index at daemon start"}
+    (t0, n0), (t1, n1) = samples[0], samples[-1]
+    rate = (n1 - n0) / (t1 - t0)
+    return {"store_memories": prefilled + n, "prefilled_synthetic_vectors": prefilled, "backfilled": n1,
+            "backfill_per_s": round(rate, 1), "embedder_alone_per_s": round(alone, 1),
+            "backfill_over_embedder": round(rate / alone, 3), "vectors_after": status["vectors"]}
 
 
 def main() -> int:
@@ -276,6 +298,7 @@ def main() -> int:
     parser.add_argument("--backfill", type=int, default=0, help="memories back-filled at the end of the store")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--keep", type=Path, help="keep the batched store here")
+    parser.add_argument("--store", type=Path, help="back-fill this store (one written by --keep) instead of a new one")
     args = parser.parse_args()
     started = time.time()
     seeds, _ = base_items(args.data)
@@ -297,10 +320,10 @@ def main() -> int:
         if args.socket:
             out["socket"] = via_socket(texts[: args.socket])
         if args.backfill:
-            db = work / "batched.db"
+            db = args.store or work / "batched.db"
             if not db.exists():
                 asyncio.run(grow(db, texts[: args.size], "batched", args.window, False))
-            out["backfill"] = backfill(db, texts[: args.size], args.backfill)
+            out["backfill"] = backfill(db, args.backfill)
         if args.keep and (work / "batched.db").exists():
             args.keep.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(work / "batched.db", args.keep / "batched.db")
@@ -314,17 +337,17 @@ def main() -> int:
 
 
 def table(out: dict[str, Any]) -> str:
-    lines = ["| mode | window | memories/s | ms p50 / p99 | writer busy |", "|---|---|---|---|---|"]
+    lines = ["| mode | window | memories/s | ms p50 / p99 | writer busy | cpu ms/memory |", "|---|---|---|---|---|---|"]
     for mode in ("batched", "single"):
         for key, res in out.get(mode, {}).items():
             if isinstance(res, dict) and "per_s" in res:
                 ms = res.get("ms") or res.get("txn_ms")
                 lines.append(f"| {mode} | {key} | {res['per_s']} | {ms['p50']} / {ms['p99']} |"
-                             f" {res['writer_busy_share']} |")
+                             f" {res['writer_busy_share']} | {res['cpu_ms_per_memory']} |")
     if "socket" in out:
         for key, res in out["socket"].items():
             if isinstance(res, dict) and "per_s" in res:
-                lines.append(f"| socket | {key} | {res['per_s']} | {res['ms']['p50']} / {res['ms']['p99']} | - |")
+                lines.append(f"| socket | {key} | {res['per_s']} | {res['ms']['p50']} / {res['ms']['p99']} | - | - |")
     if "backfill" in out:
         b = out["backfill"]
         lines.append(f"\nback-fill {b['backfill_per_s']}/s, embedder alone {b['embedder_alone_per_s']}/s"

@@ -179,3 +179,22 @@ async def test_duplicate_lookup_searches_the_content_hash(store: Store) -> None:
     lookup = next(s for s in seen if "content_hash = " in s)
     plan = " ".join(r[3] for r in await store.writer.execute_fetchall("EXPLAIN QUERY PLAN " + lookup))
     assert "memories_hash" in plan and "content_hash=?" in plan, plan
+
+
+async def test_a_batch_reads_a_fixed_number_of_times(store: Store) -> None:
+    """Deriving a batch reads the store a few times per batch (the rows, the entities of each project, the known
+    mentions, one span per session), not a few times per memory: each read is a trip to the writer's thread."""
+    writes = [Write("observation", f"Caroline asked about step_{i} of src/app{i % 5}.py", "p", f"s{i % 4}",
+                    float(i + 1)) for i in range(200)]
+    memories = MemoryWriter(store)
+    async with memories.atomic() as db:
+        ids = [(await insert_memory(db, kind=w.kind, text=w.text, project=w.project, session_id=w.session_id,
+                                    created=w.created))[0] for w in writes]
+        seen: list[str] = []
+        await db._execute(db._conn.set_trace_callback, seen.append)
+        try:
+            await memories.derive(db, ids)
+        finally:
+            await db._execute(db._conn.set_trace_callback, None)
+    reads = [s for s in seen if s.lstrip().upper().startswith("SELECT")]
+    assert len(reads) <= 3 + 4, reads[:10]
