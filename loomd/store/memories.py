@@ -29,6 +29,11 @@ KIND_LETTERS = {
     "evidence": "V",
 }
 MAX_MEMORY_CHARS = 4000
+# The live memory of a project with the same text and kind. `+kind`, `+archived_at`: without them SQLite takes
+# `memories_project` (three equalities against two) and walks every live memory of the project and kind, a cost
+# that grew with the store on every insert; this way it reads one entry of `memories_hash`.
+_SAME_TEXT = ("SELECT id FROM memories WHERE project = ? AND content_hash = ? AND +kind = ? AND +archived_at IS NULL"
+              " LIMIT 1")
 
 
 def content_hash(text: str) -> str:
@@ -73,32 +78,25 @@ async def insert_memory(
         raise BadRequest("memory text is empty")
     now = time.time()
     digest = content_hash(text)
-    async with db.execute(
-        "SELECT id FROM memories WHERE project = ? AND content_hash = ? AND kind = ? AND archived_at IS NULL LIMIT 1",
-        (project, digest, kind),
-    ) as cur:
-        row = await cur.fetchone()
-    if row is not None:
-        memory_id = int(row[0])
-        await db.execute(
-            "UPDATE memories SET hits = hits + 1, updated = ?, importance = max(importance, ?) WHERE id = ?",
-            (now, importance, memory_id),
-        )
-        is_new = False
+    # One statement (one trip to the connection's thread) for a new memory: insert unless the same text is
+    # there; a duplicate then bumps the row it found.
+    inserted = list(await db.execute_fetchall(
+        "INSERT INTO memories (kind, text, project, scope, session_id, agent, importance, tags, created, updated,"
+        " expires, content_hash, tokens, origin, meta, ctx) SELECT ?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?"
+        f" WHERE NOT EXISTS ({_SAME_TEXT}) RETURNING id",
+        (kind, text, project, scope, session_id, agent, float(importance), " ".join(sorted(set(tags))),
+         created or now, now, expires, digest, estimate_tokens(text), origin, json.dumps(meta or {}),
+         redact_text(context), project, digest, kind)))
+    if inserted:
+        memory_id, is_new = int(inserted[0][0]), True
     else:
-        cur = await db.execute(
-            "INSERT INTO memories (kind, text, project, scope, session_id, agent, importance, tags, created, updated,"
-            " expires, content_hash, tokens, origin, meta, ctx) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (kind, text, project, scope, session_id, agent, float(importance), " ".join(sorted(set(tags))),
-             created or now, now, expires, digest, estimate_tokens(text), origin, json.dumps(meta or {}),
-             redact_text(context)),
-        )
-        memory_id = int(cur.lastrowid or 0)
-        is_new = True
-    await db.executemany(
-        "INSERT OR IGNORE INTO memory_sources (memory_id, event_id) VALUES (?, ?)",
-        [(memory_id, event_id) for event_id in sources],
-    )
+        bumped = list(await db.execute_fetchall(
+            "UPDATE memories SET hits = hits + 1, updated = ?, importance = max(importance, ?)"
+            f" WHERE id = ({_SAME_TEXT}) RETURNING id", (now, importance, project, digest, kind)))
+        memory_id, is_new = int(bumped[0][0]), False
+    links = [(memory_id, event_id) for event_id in sources]
+    if links:  # each statement is a trip to the connection's thread
+        await db.executemany("INSERT OR IGNORE INTO memory_sources (memory_id, event_id) VALUES (?, ?)", links)
     return memory_id, is_new
 
 

@@ -198,13 +198,14 @@ def _pair(
         plan.old_pairs = [(r[0], r[1]) for r in conn.execute(
             "SELECT a, b FROM memory_near WHERE a IN (SELECT value FROM json_each(?))", (json.dumps(plan.reembedded),))]
         plan.recurrence.update(b for _, b in plan.old_pairs)
-    candidates: dict[int, list[int]] = {}
-    for m in batch:
-        found = []
-        if index is not None:
-            query = index.words_of(sign_bits(np.frombuffer(raw[m.id], dtype="<f4"))[0])
-            found = index.near_candidates(query, NEAR_CANDIDATES, m.project, m.session, m.id)
-        candidates[m.id] = found
+    candidates: dict[int, list[int]] = {m.id: [] for m in batch}
+    if index is not None:
+        for project in dict.fromkeys(m.project for m in batch):
+            mine = [m for m in batch if m.project == project]
+            queries = [(index.words_of(sign_bits(np.frombuffer(raw[m.id], dtype="<f4"))[0]), m.id, m.session)
+                       for m in mine]
+            for m, found in zip(mine, index.near_candidates(queries, NEAR_CANDIDATES, project), strict=True):
+                candidates[m.id] = found
     stored = _vectors(conn, plan.model, sorted({i for ids in candidates.values() for i in ids} - set(raw)))
     for m in batch:
         others = [o for o in batch if o.id != m.id and o.project == m.project

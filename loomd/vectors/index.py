@@ -217,21 +217,27 @@ class BitIndex:
         return ids[order].tolist(), cosines[order].tolist(), eligible
 
     def near_candidates(
-        self, query: np.ndarray, k: int, project: str, session: str | None, memory_id: int
-    ) -> list[int]:
-        """Raw-vector neighbours by Hamming distance in the same project and another session (recurrence)."""
+        self, queries: Sequence[tuple[np.ndarray, int, str | None]], k: int, project: str
+    ) -> list[list[int]]:
+        """Raw-vector neighbours by Hamming distance in `project` and another session (recurrence), for each query
+        (raw bits as words, memory id, session). One pass over the project's rows serves the whole batch: a copy
+        of the index per query made the back-fill's cost per memory grow with the store."""
         with self._lock:
             a, n = self._arrays, self._n
             if "p:" + project not in self._codes:
-                return []
-            mask = a["project"][:n] == self._codes["p:" + project]
-            own = self._codes.get("t:" + session, -2) if session is not None else -1 - memory_id
-            mask &= a["session"][:n] != own
-            ids = a["id"][:n][mask]
-            if len(ids) == 0:
-                return []
-            distance = np.bitwise_count(a["raw"][:n][mask] ^ query).sum(axis=1, dtype=np.int32)
-        if len(ids) > k:
-            top = np.argpartition(distance, k)[:k]
-            ids, distance = ids[top], distance[top]
-        return ids[np.lexsort((ids, distance))].tolist()
+                return [[] for _ in queries]
+            # Copies (fancy indexing): searches need not wait while the distances are computed.
+            in_project = np.flatnonzero(a["project"][:n] == self._codes["p:" + project])
+            ids, raw, sessions = a["id"][in_project], a["raw"][in_project], a["session"][in_project]
+            owns = [self._codes.get("t:" + session, -2) if session is not None else -1 - memory_id
+                    for _, memory_id, session in queries]
+        out = []
+        for (query, _, _), own in zip(queries, owns, strict=True):
+            keep = sessions != own
+            others = ids[keep]
+            distance = np.bitwise_count(raw ^ query).sum(axis=1, dtype=np.int32)[keep]
+            if len(others) > k:
+                top = np.argpartition(distance, k)[:k]
+                others, distance = others[top], distance[top]
+            out.append(others[np.lexsort((others, distance))].tolist())
+        return out
