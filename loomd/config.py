@@ -166,7 +166,7 @@ class Config:
 
 NOT_SETTINGS = ("paths", "sources", "projects")
 # What a project may set for itself in `[project."<key>"]`.
-PER_PROJECT = ("auto_capture", "extract_off", "extract_banned")
+PER_PROJECT = ("auto_capture", "gc", "extract_off", "extract_banned")
 
 
 def _kinds(text: str) -> frozenset[str]:

@@ -713,6 +713,26 @@ async def test_gc_off_runs_only_when_asked(monkeypatch, home) -> None:
         assert (await client.call("detail", id=stale))["memories"][0]["archived_at"] is not None
 
 
+@pytest.mark.parametrize("config, swept", [
+    ('[project."proj-keep"]\ngc = false\n', {"proj-gc"}),  # on everywhere but where a project turns it off
+    ('gc = false\n[project."proj-gc"]\ngc = true\n', {"proj-gc"}),  # off everywhere but where a project turns it on
+])
+async def test_a_project_turns_gc_off_or_on_for_itself(monkeypatch, home, config: str, swept: set[str]) -> None:
+    (home / "config.toml").write_text(config)
+    async with loomd(monkeypatch, home) as (d, client):
+        stale = {p: (await client.call("store", text=f"a note of {p} that expired long ago", project=p,
+                                       expires=1.0))["id"] for p in ("proj-keep", "proj-gc")}
+        assert d.scheduler is not None
+        scheduled = await d.scheduler.run("gc", trigger="interval")
+        assert scheduled["outcome"] == "ok", scheduled
+        shown = (await client.call("detail", id=list(stale.values())))["memories"]
+        archived = {p for p, i in stale.items() for m in shown if m["id"] == i and m["archived_at"] is not None}
+        assert archived == swept
+        await client.call("workers_run", name="gc")  # asked for by hand: every project
+        shown = (await client.call("detail", id=list(stale.values())))["memories"]
+        assert all(m["archived_at"] is not None for m in shown)
+
+
 async def test_a_project_sets_its_own_capture_and_kinds(monkeypatch, home) -> None:
     (home / "config.toml").write_text(f'[project."{PROJECT}"]\nauto_capture = false\nextract_off = "constraint"\n')
     async with loomd(monkeypatch, home) as (_, client):
@@ -747,8 +767,9 @@ def test_a_project_table_may_set_only_what_a_project_owns(tmp_path: Path) -> Non
     from loomd.config import load_config
     from loomd.errors import BadRequest
 
-    (tmp_path / "config.toml").write_text('[project."proj-w"]\ngc = false\n')
-    with pytest.raises(BadRequest, match="cannot set 'gc'; a project sets: auto_capture, extract_off, extract_banned"):
+    (tmp_path / "config.toml").write_text('[project."proj-w"]\nembedder = "none"\n')
+    with pytest.raises(BadRequest, match="cannot set 'embedder'; a project sets: auto_capture, gc, extract_off, "
+                                         "extract_banned"):
         load_config({"LOOMD_HOME": str(tmp_path)})
     (tmp_path / "config.toml").write_text('project = "proj-w"\n')
     with pytest.raises(BadRequest, match=r"\[project\] must hold tables"):

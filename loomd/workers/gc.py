@@ -12,6 +12,7 @@ import json
 import math
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import aiosqlite
 
@@ -72,55 +73,83 @@ async def archive(db: aiosqlite.Connection, ids: list[int], reason: str, report:
             report.wrote("archive", id=memory_id, reason=reason)
 
 
+class Scope(NamedTuple):
+    """Which projects a run may touch: a SQL condition on `project` and its one parameter (a JSON list)."""
+
+    where: str
+    param: str
+    label: str
+
+
+def _scope(cfg: Config, *, manual: bool) -> Scope | None:
+    """The projects GC may touch: all but those whose own `gc` is off, or — `gc` off globally — only those whose
+    own `gc` is on; asked for by hand (`loom workers run gc`), all. None: nothing to do."""
+    own = {p: cfg.for_project(p).gc for p, settings in cfg.projects.items() if "gc" in settings}
+    if manual:
+        return Scope("project NOT IN (SELECT value FROM json_each(?))", "[]", "every project")
+    if cfg.gc:
+        off = sorted(p for p, on in own.items() if not on)
+        return Scope("project NOT IN (SELECT value FROM json_each(?))", json.dumps(off),
+                     f"every project but {', '.join(off)} (gc = false)" if off else "every project")
+    on = sorted(p for p, on in own.items() if on)
+    return Scope("project IN (SELECT value FROM json_each(?))", json.dumps(on),
+                 f"only {', '.join(on)} (gc = true there)") if on else None
+
+
 class GC:
     name = "gc"
 
     async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
         cfg, now = ctx.config(), time.time()
-        if not cfg.gc and req.trigger != "manual":
+        scope = _scope(cfg, manual=req.trigger == "manual")
+        if scope is None:
             report.detail["skipped"] = "gc is off (config gc = false): it runs only when asked"
             return
         async with ctx.write(req.dry_run) as db:
             protected = await working_set(db, cfg, now)
             before = report.items_out
-            await self.expire(db, cfg, now, protected, report)
-            await self.cap(db, cfg, now, protected, report, req.project)
-            await self.stale_tasks(db, cfg, now, protected, report)
-            await self.banned(db, cfg, report)
+            await self.expire(db, cfg, now, protected, report, scope)
+            await self.cap(db, cfg, now, protected, report, req.project, scope)
+            await self.stale_tasks(db, cfg, now, protected, report, scope)
+            await self.banned(db, cfg, report, scope)
             await self.dangling_edges(db, report)
             if cfg.event_ttl_days > 0:
-                await self.purge_events(db, cfg, now, report)
+                await self.purge_events(db, cfg, now, report, scope)
             await progress(db, report, 0, report.items_out - before)
         report.detail["protected"] = len(protected)
+        report.detail["projects"] = scope.label
 
-    async def banned(self, db: aiosqlite.Connection, cfg: Config, report: RunReport) -> None:
+    async def banned(self, db: aiosqlite.Connection, cfg: Config, report: RunReport, scope: Scope) -> None:
         """Memories of a kind the user banned (`extract_banned`, or a project's own): archived, working set or not."""
         own = {p: cfg.for_project(p).kinds_banned() for p, s in cfg.projects.items() if "extract_banned" in s}
         rules = [(cfg.kinds_banned(), "project NOT IN (SELECT value FROM json_each(?))", json.dumps(sorted(own)))]
         rules += [(kinds, "project = ?", project) for project, kinds in own.items()]
         for kinds, where, param in rules:
             if kinds:
-                ids = await _ids(db, f"SELECT id FROM memories WHERE archived_at IS NULL AND {where} AND kind IN"
-                                     " (SELECT value FROM json_each(?))", (param, json.dumps(sorted(kinds))))
+                ids = await _ids(db, f"SELECT id FROM memories WHERE archived_at IS NULL AND {where} AND {scope.where}"
+                                     " AND kind IN (SELECT value FROM json_each(?))",
+                                 (param, scope.param, json.dumps(sorted(kinds))))
                 await archive(db, sorted(ids), "banned kind", report)
 
     async def expire(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int],
-                     report: RunReport) -> None:
+                     report: RunReport, scope: Scope) -> None:
         ids = await _ids(db, "SELECT id FROM memories WHERE archived_at IS NULL AND expires IS NOT NULL"
-                             " AND expires <= ?", (now,))
+                             f" AND expires <= ? AND {scope.where}", (now, scope.param))
         await archive(db, sorted(ids - protected), "expired", report)
         if cfg.memory_ttl_days > 0:
             cutoff = now - cfg.memory_ttl_days * 86400
             ids = await _ids(db, "SELECT id FROM memories WHERE archived_at IS NULL"
                                  " AND kind NOT IN ('digest', 'task', 'evidence')"
-                                 " AND max(updated, coalesce(CAST(last_hit AS REAL), 0)) < ?", (cutoff,))
+                                 f" AND max(updated, coalesce(CAST(last_hit AS REAL), 0)) < ? AND {scope.where}",
+                             (cutoff, scope.param))
             await archive(db, sorted(ids - protected), f"ttl: untouched for {cfg.memory_ttl_days:g} days", report)
 
     async def cap(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int], report: RunReport,
-                  only: str | None) -> None:
+                  only: str | None, scope: Scope) -> None:
         # Evidence passages are the sessions' own record, kept like the events: the cap is on what was distilled.
         async with db.execute("SELECT project, count(*) FROM memories WHERE archived_at IS NULL AND kind != 'evidence'"
-                              " GROUP BY project HAVING count(*) > ?", (cfg.project_memory_cap,)) as cur:
+                              f" AND {scope.where} GROUP BY project HAVING count(*) > ?",
+                              (scope.param, cfg.project_memory_cap)) as cur:
             over = [(r[0], r[1]) for r in await cur.fetchall() if only is None or r[0] == only]
         for project, count in over:
             async with db.execute(
@@ -134,10 +163,11 @@ class GC:
             await archive(db, victims, f"cap: project over {cfg.project_memory_cap} memories, lowest value", report)
 
     async def stale_tasks(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int],
-                          report: RunReport) -> None:
+                          report: RunReport, scope: Scope) -> None:
         cutoff = now - cfg.stale_task_days * 86400
         ids = await _ids(db, "SELECT id FROM memories WHERE kind = 'task' AND archived_at IS NULL AND updated < ?"
-                             " AND coalesce(json_extract(meta, '$.state'), 'draft') IN ('draft', 'active')", (cutoff,))
+                             f" AND coalesce(json_extract(meta, '$.state'), 'draft') IN ('draft', 'active')"
+                             f" AND {scope.where}", (cutoff, scope.param))
         # An open task is itself in the working set; a stale one is exactly the open task nobody touches.
         recent = await _ids(db, "SELECT id FROM memories WHERE kind = 'task' AND last_hit IS NOT NULL"
                                 " AND CAST(last_hit AS REAL) >= ?", (cutoff,))
@@ -153,17 +183,18 @@ class GC:
         if cur.rowcount:
             report.wrote("dangling_edges_removed", count=cur.rowcount)
 
-    async def purge_events(self, db: aiosqlite.Connection, cfg: Config, now: float, report: RunReport) -> None:
+    async def purge_events(self, db: aiosqlite.Connection, cfg: Config, now: float, report: RunReport,
+                           scope: Scope) -> None:
         """Raw events past their TTL that the observer has passed: payload-less if cited, else removed."""
         cutoff = now - cfg.event_ttl_days * 86400
         passed = ("FROM events e JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
-                  " WHERE e.ts < ? AND e.id <= CAST(c.value AS INTEGER)")
+                  f" WHERE e.ts < ? AND e.id <= CAST(c.value AS INTEGER) AND e.{scope.where}")
         cited = "EXISTS (SELECT 1 FROM memory_sources s WHERE s.event_id = e.id)"
         cur = await db.execute(
             f"UPDATE events SET payload = ? WHERE id IN (SELECT e.id {passed} AND {cited}"
-            f" AND e.payload != ? LIMIT ?)", (PURGED_PAYLOAD, cutoff, PURGED_PAYLOAD, PURGE_BATCH))
+            f" AND e.payload != ? LIMIT ?)", (PURGED_PAYLOAD, cutoff, scope.param, PURGED_PAYLOAD, PURGE_BATCH))
         stripped = cur.rowcount
         cur = await db.execute(f"DELETE FROM events WHERE id IN (SELECT e.id {passed} AND NOT {cited} LIMIT ?)",
-                               (cutoff, PURGE_BATCH))
+                               (cutoff, scope.param, PURGE_BATCH))
         if stripped or cur.rowcount:
             report.wrote("events_purged", deleted=cur.rowcount, payload_dropped=stripped)
