@@ -9,6 +9,7 @@ transcript, the spool, an older shim). The file is the user's own (0600), rewrit
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 FILE_NAME = "ignored-projects"
@@ -54,43 +55,45 @@ def write_roots(path: Path, roots: list[str]) -> None:
     os.replace(tmp, path)
 
 
-class IgnoredProjects:
-    """The list as the daemon reads it: re-read only when the file changes (a stat per batch of events)."""
+class WatchedList:
+    """One of these files as the daemon reads it: its lines (`read`), re-read only when the file changes (a stat per
+    look)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, read: Callable[[Path], list[str]]) -> None:
+        self.path, self.read = path, read
         self._seen: tuple[int, int] | None = None
-        self.roots: tuple[str, ...] = ()
+        self._lines: tuple[str, ...] = ()
 
-    def covers(self, cwd: str | None) -> bool:
+    def lines(self) -> tuple[str, ...]:
         try:
             st = self.path.stat()
             seen = (st.st_mtime_ns, st.st_size)
         except FileNotFoundError:
             seen = (0, 0)
         if seen != self._seen:
-            self._seen, self.roots = seen, tuple(read_roots(self.path))
-        return covers(self.roots, cwd)
+            self._seen, self._lines = seen, tuple(self.read(self.path))
+        return self._lines
+
+
+class IgnoredProjects:
+    """The ignored folders as the daemon reads them."""
+
+    def __init__(self, path: Path) -> None:
+        self.list = WatchedList(path, read_roots)
+
+    def covers(self, cwd: str | None) -> bool:
+        return covers(self.list.lines(), cwd)
 
 
 class PrivateProjects:
-    """The private keys as the daemon reads them: re-read only when the file changes."""
+    """The private keys as the daemon reads them."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self._seen: tuple[int, int] | None = None
-        self.keys: frozenset[str] = frozenset()
+        self.list = WatchedList(path, read_keys)
 
     def __contains__(self, project: object) -> bool:
         return project in self.current()
 
     def current(self) -> frozenset[str]:
         """The keys, re-read if the file changed since the last look."""
-        try:
-            st = self.path.stat()
-            seen = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            seen = (0, 0)
-        if seen != self._seen:
-            self._seen, self.keys = seen, frozenset(read_keys(self.path))
-        return self.keys
+        return frozenset(self.list.lines())

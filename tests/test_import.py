@@ -276,13 +276,7 @@ def test_kill_9_mid_import_then_rerun_gives_the_same_counts(tmp_path: Path, home
 
     victim = DaemonProcess(home, quiet).start()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", CLI, "import", "--yes", "--json"], cwd=REPO,
-                                env=cli_env(home, history), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while event_count(home) == 0:
-            assert proc.poll() is None and time.monotonic() < deadline, "the import ended before it was killed"
-            time.sleep(0.01)
+        proc = import_under_way(home, history, "the import ended before it was killed")
         assert victim.proc is not None
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(30)
@@ -299,6 +293,18 @@ def test_kill_9_mid_import_then_rerun_gives_the_same_counts(tmp_path: Path, home
         assert again.returncode == 0 and json.loads(again.stdout)["stored"] == 0, again.stderr
     finally:
         victim.stop()
+
+
+def import_under_way(home: Path, history: History, why: str) -> subprocess.Popen[str]:
+    """`loom import --yes` started in the background, returned once its first events are stored."""
+    proc = subprocess.Popen([sys.executable, "-c", CLI, "import", "--yes", "--json"], cwd=REPO,
+                            env=cli_env(home, history), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while event_count(home) == 0:
+        assert proc.poll() is None and time.monotonic() < deadline, why
+        time.sleep(0.01)
+    return proc
 
 
 def send_hook(home: Path, event: str, body: dict[str, Any]) -> subprocess.CompletedProcess[bytes]:
@@ -319,13 +325,7 @@ def test_a_hook_during_an_import_is_acknowledged(tmp_path: Path, home: Path) -> 
     history = make_history(tmp_path / "h", copies=3)
     daemon = DaemonProcess(home, {"LOOMD_CODEX_HOME": str(tmp_path / "no-codex")}).start()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", CLI, "import", "--yes", "--json"], cwd=REPO,
-                                env=cli_env(home, history), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while event_count(home) == 0:
-            assert proc.poll() is None and time.monotonic() < deadline, "the import ended before the hook"
-            time.sleep(0.01)
+        proc = import_under_way(home, history, "the import ended before the hook")
         sid = "hook-during-import"
         base = {"session_id": sid, "cwd": str(tmp_path)}
         tool = send_hook(home, "PostToolUse", {**base, "tool_name": "Bash", "tool_use_id": "toolu_1",
