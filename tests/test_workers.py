@@ -622,8 +622,10 @@ async def test_the_users_own_words_outside_prompts_are_kept_and_start_the_next_s
                    t.endswith("for: Which idea should I turn into a decision-complete architecture and nine-day build"
                               " plan?") for t in texts)
         assert "also use tdd and serena" in starts[0]
-        assert "how do I explain how to use this" in starts[1]  # the newest of what the user asked
-        assert "help me apply for the agentic engineering grant" in starts[2]
+        # What corrected the agent (the words given with the rejected plan) first, then the newest of what was asked.
+        assert "Generate the plan/miletsonte contract" in starts[1], starts[1]
+        assert "how do I explain how to use this" in starts[1]
+        assert "Build EdgeRunner as a reusable trading engine" in starts[2]  # a note beside a chosen option
 
 
 async def test_every_real_session_replays_into_observations_and_reflections(monkeypatch, home) -> None:

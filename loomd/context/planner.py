@@ -330,13 +330,15 @@ async def start_lines(store: Store, project: str, now: float | None = None) -> t
         by_kind.setdefault(row["kind"], []).append(row)
     # What the user asked for in the project's latest observed sessions (the session starting now, and any too short
     # to have been observed, have nothing to show), in their own words (prompts, the words given with a rejection,
-    # notes on an answer): read through those few sessions' own rows, so the store's size does not matter.
+    # notes on an answer; what corrects or qualifies the agent first): read through those few sessions' own rows, so
+    # the store's size does not matter.
     asks = await store.fetchall(
         "SELECT m.* FROM (SELECT id FROM sessions WHERE project = ? AND EXISTS (SELECT 1 FROM memories o"
         " WHERE o.session_id = sessions.id AND o.kind = 'observation') ORDER BY last_seen DESC LIMIT ?) s"
         " JOIN memories m ON m.session_id = s.id WHERE m.kind = 'observation' AND m.archived_at IS NULL"
         " AND m.superseded_by IS NULL AND json_extract(m.meta, '$.by') = 'user'"
-        " AND json_extract(m.meta, '$.type') = 'goal' ORDER BY m.created DESC, m.id DESC LIMIT ?",
+        " AND json_extract(m.meta, '$.type') = 'goal'"
+        " ORDER BY json_extract(m.meta, '$.steers') IS NULL, m.created DESC, m.id DESC LIMIT ?",
         (project, ASK_SESSIONS, ASK_LINES))
     lines: list[Line] = []
     for group, kinds in START_GROUPS:

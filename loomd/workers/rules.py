@@ -164,9 +164,11 @@ class RuleObserver:
             return
         self.user_voice(step.text, step, "User asked")
 
-    def user_voice(self, text: str, step: Step, lead: str) -> None:
+    def user_voice(self, text: str, step: Step, lead: str, steers: bool = False) -> None:
         """The human user's own words (a prompt, the words given with a rejected call, a note on an answer):
-        sentences that state a rule or a preference as such, and what they asked for in their words."""
+        sentences that state a rule or a preference as such, and what they asked for in their words. `steers`: the
+        words correct or qualify what the agent proposed (a rejection's words, a note beside an option), which the
+        start block shows before plain asks."""
         found = user_sentences(text)
         classified = 0
         answered = self.lanes.get(step.lane, _Lane()).answered
@@ -181,7 +183,7 @@ class RuleObserver:
         # still what the user asked for.
         words = " ".join(clean_user_text(text).split())
         if len(words.split()) >= 5 and not ACK.match(words) and (classified < len(found) or not found):
-            self.emit("goal", f"{lead}: {words}", step, by="user")
+            self.emit("goal", f"{lead}: {words}", step, by="user", steers=steers or None)
 
     def on_assistant(self, step: Step, lane: _Lane) -> None:
         if lane.awaiting_why is not None:
@@ -334,7 +336,7 @@ class RuleObserver:
                 answer = str(answer)
                 if answer.startswith("user_note:"):
                     if step.lane == "main":
-                        self.user_voice(answer.removeprefix("user_note:"), step, "User noted")
+                        self.user_voice(answer.removeprefix("user_note:"), step, "User noted", steers=True)
                     continue
                 about = question.get("question") or question.get("header") or qid
                 self.emit("decision", f'User chose "{_option(question, answer)}" for: {about}', step, by="user")
@@ -343,7 +345,7 @@ class RuleObserver:
         said = _USER_SAID.search(step.text)
         if said and step.lane == "main":
             # Claude Code hands the user's words given with a rejection back to the agent inside the result.
-            self.user_voice(said.group(1), step, f"User said instead of {step.tool or 'the call'}")
+            self.user_voice(said.group(1), step, f"User said instead of {step.tool or 'the call'}", steers=True)
         if lane.rejected is None and "right now" not in step.text[:200]:
             lane.rejected, lane.rejected_left = step, 6
 
