@@ -555,6 +555,14 @@ def _private_list() -> tuple[Any, list[str]]:
     return path, read_keys(path)
 
 
+def _add_line(file: Any, lines: list[str], line: str) -> None:
+    """Add `line` to one of the project lists (ignored folders, private keys) unless it is there."""
+    from loomd.ignore import write_roots
+
+    if line not in lines:
+        write_roots(file, [*lines, line])
+
+
 def _data_dir() -> Any:
     try:
         return load_config().paths.data_dir
@@ -580,12 +588,9 @@ def project(ctx: click.Context) -> None:
 def project_private(path: str) -> None:
     """Keep PATH's project (default: here) on this machine: remembered and used here, but none of its text goes to a
     model or a remote embedding endpoint (the local model still embeds it)."""
-    from loomd.ignore import write_roots
 
     key = _call("projects", {"cwd": _project_root(path)})["here"]
-    file, keys = _private_list()
-    if key not in keys:
-        write_roots(file, [*keys, key])
+    _add_line(*_private_list(), key)
     click.echo(f"private {key}: nothing of it leaves this machine (`loom project include` undoes it)")
 
 
@@ -594,12 +599,9 @@ def project_private(path: str) -> None:
 def project_ignore(path: str) -> None:
     """Store nothing from PATH's project (default: here): the hooks stop at once, transcripts are skipped. What
     is already stored stays (`loom purge --project KEY` removes it)."""
-    from loomd.ignore import write_roots
 
     root = _project_root(path)
-    file, roots = _ignored_list()
-    if root not in roots:
-        write_roots(file, [*roots, root])
+    _add_line(*_ignored_list(), root)
     click.echo(f"ignored {root}: nothing from it is stored from now on (`loom project include` undoes it)")
 
 

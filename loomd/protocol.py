@@ -72,7 +72,7 @@ def salvage_id(body: bytes) -> int | str | None:
                 return rid if isinstance(rid, int | str) and not isinstance(rid, bool) else None
             unpacker.skip()
     except (ValueError, TypeError, msgpack.UnpackException):
-        pass
+        pass  # an unreadable header: the refusal goes out without an id, as for any undecodable frame
     return None
 
 

@@ -274,7 +274,7 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
     def log_message(self, format: str, *args: Any) -> None:
-        pass
+        pass  # quiet: the test reads the doctor's verdict, not the fake server's access log
 
 
 @pytest.fixture
@@ -378,7 +378,7 @@ class _NoModelList(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
     def log_message(self, format: str, *args: Any) -> None:
-        pass
+        pass  # quiet: the test reads the doctor's verdict, not the fake server's access log
 
 
 async def test_a_model_server_that_lists_no_models_is_fine(home: Path, user_home: Path) -> None:

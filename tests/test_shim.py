@@ -883,7 +883,7 @@ def listener_of_nobody(path: Path, bind_as_root: bool) -> tuple[int, int]:
                     while chunk := conn.recv(1 << 16):
                         os.write(write_end, chunk)
                 except OSError:
-                    pass
+                    pass  # the shim hung up: what it sent is in the pipe already
                 conn.close()
         finally:
             os._exit(0)

@@ -166,9 +166,9 @@ def stemmer() -> Stemmer:
     return _stem
 
 
-def held_terms(query: str, text: str) -> frozenset[str]:
-    """The query's terms (`query_terms`) that the text holds, as the index reads both (stemmed)."""
-    terms = query_terms(query)
+def held_terms(query: str | Sequence[str], text: str) -> frozenset[str]:
+    """The query's terms (`query_terms`, or already split) that the text holds, as the index reads both (stemmed)."""
+    terms = query_terms(query) if isinstance(query, str) else query
     if not terms:
         return frozenset()
     stem = stemmer()
@@ -179,7 +179,8 @@ def held_terms(query: str, text: str) -> frozenset[str]:
 
 def covered_terms(query: str, text: str) -> tuple[int, int]:
     """(how many of the query's terms the text holds, as the index reads both; how many terms the query has)."""
-    return len(held_terms(query, text)), len(query_terms(query))
+    terms = query_terms(query)
+    return len(held_terms(terms, text)), len(terms)
 
 
 # Memories per index term, for pruning only (an estimate may be minutes old): (store, term) -> (when, count).
@@ -495,8 +496,10 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
     if not any(hit.memory["kind"] == "evidence" for hit in hits):
         return  # the common case of the hook's keyword recall: nothing to stem, nothing to read
 
+    terms = query_terms(query)  # once, not per line
+
     def holds(line: str) -> frozenset[str]:
-        return held_terms(query, line)
+        return held_terms(terms, line)
 
     for hit in hits:
         memory_id = hit.memory["id"]
