@@ -561,7 +561,8 @@ def ask(daemon: Daemon, sessions: list[Session], search_args: dict[str, Any] | N
             recall_rows.append(recall)
             item = {"id": q["id"], "type": q["type"], "session": s.id, "question": q["question"], "keys": keys,
                     "evidence_source": q.get("evidence_source"), "rank_all": row["rank_all"],
-                    "rank_any": row["rank_any"], "recall_hit": bool(recall["hit"]), "search_ms": round(search_ms, 1),
+                    "rank_any": row["rank_any"], "recall_hit": bool(recall["hit"]), "recall_block": block,
+                    "search_ms": round(search_ms, 1),
                     "top": [{"id": r["id"], "kind": r["kind"], "origin": r.get("origin"), "text": r["text"][:400],
                              "collapsed": r.get("collapsed", [])} for r in results[:5]]}
             if row["rank_all"] is None:

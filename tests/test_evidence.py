@@ -14,7 +14,8 @@ from conftest import need_test_data
 from loomd.client import AsyncClient
 from loomd.context.render import recall_room
 from loomd.daemon import Daemon
-from loomd.search.retrieval import held_terms
+from loomd.search.fusion import query_terms
+from loomd.search.retrieval import dense_wins, held_terms
 from loomd.search.windows import GAP, WINDOW_CHARS, best_windows, merge_passages
 from loomd.workers.evidence import MAX_ITEM_CHARS, PASSAGE_CHARS, evidence_of, head_and_tail, passages
 from loomd.workers.steps import Step
@@ -180,3 +181,23 @@ def test_a_commands_window_always_shows_its_outcome() -> None:
     shown = best_windows("Bash `uv run mypy src/`:", lines, holds)
     assert lines[-1] in shown and "module_3.py" in shown and len(shown) <= WINDOW_CHARS
     assert lines[-1] not in best_windows("Assistant:", lines, holds)
+
+
+
+def test_a_summary_that_says_less_than_its_passage_does_not_take_its_slot() -> None:
+    """A distilled memory and the passage it came from share one slot: the one that holds more of what is asked
+    takes it. The real cases (a dev-set session each): a report's first sentence against the report, a procedure
+    that names a lint finding and its fix against the bare output of the command that later passed."""
+    terms = query_terms("Which source files launch Claude Code with a permission flag and would all need changing?")
+    report = {"text": "Reported: I've thoroughly investigated how Claude sessions are launched in dmux.", "score": 0.05}
+    passage = {"text": "Assistant: The 3 launch points pass --permission-mode=acceptEdits: paneCreation.ts,"
+                       " conflictResolutionPane.ts and MergePane.tsx; each would need the new permission flag.",
+               "score": 0.05}
+    assert not dense_wins(terms, report, passage)
+    terms = query_terms("Which ruff finding kept coming back after almost every file the agent wrote?")
+    works = {"text": "Works: `uv run ruff check --fix src/` (after failing with: W292 [*] No newline at end of file)",
+             "score": 0.02}
+    output = {"text": "Bash `uv run ruff check src/`: (Final full lint check)\nAll checks passed!", "score": 0.05}
+    assert dense_wins(terms, works, output)  # more of the question's words, though a lower score
+    same = {"text": "Bash `uv run ruff check src/`: All checks passed, no finding came back", "score": 0.05}
+    assert dense_wins(terms, {**same, "score": 0.046}, same) and not dense_wins(terms, {**same, "score": 0.03}, same)

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import aiosqlite
 import watchfiles
@@ -631,9 +631,11 @@ class Tailer:
                     await asyncio.wait_for(self._dirs_changed.wait(), self.poll_s)
                 continue
             self._watching = set(dirs)
+            # Duck-typed: awatch only calls `is_set` (its annotation names trio's Event too once trio is installed).
+            stopper = cast(asyncio.Event, _Stopper(stop, self._dirs_changed))
             try:
                 async for changes in watchfiles.awatch(*dirs, watch_filter=None, recursive=False, debounce=50, step=50,
-                                                       stop_event=_Stopper(stop, self._dirs_changed)):
+                                                       stop_event=stopper):
                     for _change, raw in changes:
                         # Only names that can be new subagent files or rollouts; a project folder is busy.
                         if raw not in self.followers and os.path.basename(raw).startswith(("agent-", "rollout-")):

@@ -440,6 +440,7 @@ async def search_hits(
     raw = {s: dict(items) for s, items in scored.items()}
     results: list[Hit] = []
     cited: dict[int, Hit] = {}  # source event -> the hit that holds it
+    terms = query_terms(query)
     kept_words: list[tuple[Hit, frozenset[str]]] = []
     for memory_id, score, parts in candidates:
         if memory_id not in by_id:
@@ -466,9 +467,8 @@ async def search_hits(
                     kept_words.append((hit, words))
                 cited.update((e, hit) for e in mine if e not in cited or cited[e].memory["kind"] == "evidence")
             continue
-        if holder.memory["kind"] == "evidence" and not evidence \
-                and score >= DENSE_WINS * holder.memory["score"]:
-            # Equally relevant: the dense memory takes the slot, the passage it came from is collapsed into it.
+        if holder.memory["kind"] == "evidence" and not evidence and dense_wins(terms, hit.memory, holder.memory):
+            # The dense memory takes the slot, the passage it came from is collapsed into it.
             results[results.index(holder)] = hit
             kept_words[:] = [(hit, words) if h is holder else (h, w) for h, w in kept_words]
             item["collapsed"] = [holder.memory["id"], *holder.memory.get("collapsed", [])]
@@ -484,6 +484,16 @@ async def search_hits(
         if notes:
             report["notes"] = notes
     return results
+
+
+def dense_wins(terms: Sequence[str], dense: Mapping[str, Any], passage: Mapping[str, Any]) -> bool:
+    """A distilled memory takes the slot of the passage it came from when it says about as much of what is asked:
+    more of the query's terms, or all but one of the passage's count at nearly the passage's score. A one-line
+    summary of a long report ("Reported: I've investigated how sessions are launched") holds fewer of them than the
+    report, and must not hide it; a procedure that names the finding asked about holds more than the bare output of
+    the command that later passed, and wins."""
+    mine, theirs = len(held_terms(terms, dense["text"])), len(held_terms(terms, passage["text"]))
+    return mine > theirs or (mine >= theirs - 1 and dense["score"] >= DENSE_WINS * passage["score"])
 
 
 def _ms(started: float) -> float:
