@@ -32,7 +32,7 @@ import pytest
 import sqlean
 from conftest import REPO, DaemonProcess, need_test_data, serving
 
-from loomd.client import AsyncClient
+from loomd.client import AsyncClient, RemoteError
 from loomd.daemon import Daemon
 
 CLI = "import sys; from loomd.cli import main; sys.argv[0] = 'loom'; main()"
@@ -234,7 +234,7 @@ async def test_dry_run_writes_nothing_and_a_second_import_adds_nothing(
 
 
 async def test_since_project_and_paths_choose_what_is_imported(
-        daemon: Daemon, home: Path, tmp_path: Path) -> None:
+        daemon: Daemon, client: AsyncClient, home: Path, tmp_path: Path) -> None:
     history = make_history(tmp_path / "h")
     rc, out, err = await loom(home, history, "import", "--dry-run", "--json", "--project", "deep-manifest")
     assert rc == 0, err
@@ -257,6 +257,10 @@ async def test_since_project_and_paths_choose_what_is_imported(
     assert rc != 0 and "not a date" in err
     rc, out, err = await loom(home, history, "import", "--dry-run", str(tmp_path / "nowhere"))
     assert rc != 0 and "neither 'claude', 'codex' nor an existing file or folder" in err
+    # A folder that cannot even be listed (a name longer than the system allows) is the caller's error, said so.
+    with pytest.raises(RemoteError, match="cannot be listed: File name too long") as refused:
+        await client.call("import_scan", sources=["claude"], claude_dir="/" + "x" * 5000)
+    assert refused.value.code == "bad_request"
 
 
 def test_kill_9_mid_import_then_rerun_gives_the_same_counts(tmp_path: Path, home: Path, other_home: Path) -> None:

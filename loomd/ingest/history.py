@@ -63,22 +63,26 @@ def history_sources(sources: Sequence[str], claude_dir: str | None, codex_dir: s
     """The files named by `claude`, `codex` and paths (files, or folders searched for `*.jsonl`), sorted, once each."""
     found: set[Path] = set()
     for source in sources:
-        if source == "claude":
-            found.update(_jsonl_under(_root(claude_dir or os.environ.get("CLAUDE_CONFIG_DIR"), "~/.claude")
-                                      / "projects"))
-        elif source == "codex":
-            found.update(_jsonl_under(_root(codex_dir or os.environ.get("CODEX_HOME"), "~/.codex") / "sessions"))
-        else:
-            path = Path(source).expanduser()
-            if not path.is_absolute():
-                raise BadRequest(f"{source!r}: a path to import must be absolute (the daemon has its own folder)")
-            if path.is_dir():
-                found.update(_jsonl_under(path))
-            elif path.is_file():
-                found.add(path)
-            else:
-                raise BadRequest(f"{source!r} is neither 'claude', 'codex' nor an existing file or folder")
+        try:
+            found.update(_source_files(source, claude_dir, codex_dir))
+        except OSError as exc:  # a name too long, a folder not readable: the caller's to fix, not a daemon fault
+            raise BadRequest(f"{source!r}: cannot be listed: {exc.strerror or exc}") from exc
     return sorted(found)
+
+
+def _source_files(source: str, claude_dir: str | None, codex_dir: str | None) -> set[Path]:
+    if source == "claude":
+        return set(_jsonl_under(_root(claude_dir or os.environ.get("CLAUDE_CONFIG_DIR"), "~/.claude") / "projects"))
+    if source == "codex":
+        return set(_jsonl_under(_root(codex_dir or os.environ.get("CODEX_HOME"), "~/.codex") / "sessions"))
+    path = Path(source).expanduser()
+    if not path.is_absolute():
+        raise BadRequest(f"{source!r}: a path to import must be absolute (the daemon has its own folder)")
+    if path.is_dir():
+        return set(_jsonl_under(path))
+    if path.is_file():
+        return {path}
+    raise BadRequest(f"{source!r} is neither 'claude', 'codex' nor an existing file or folder")
 
 
 def _root(configured: str | None, default: str) -> Path:
