@@ -104,6 +104,21 @@ async def test_every_rule_fires_on_its_payload(client: AsyncClient) -> None:
     assert all(m["sources"] for m in memories)
 
 
+async def test_a_long_rule_keeps_its_end_in_memory_and_in_the_next_start_block(client: AsyncClient) -> None:
+    """What to do often closes a long request: the rule is kept past 200 characters, and the start block's line
+    (160 characters) shows its start and its end around the cut, not just its start."""
+    ask = ("this package would need a bump to node 22 or even 24, check out the recent work in docs and the current"
+           " plan in motion from the other session and let's make a PR (we would need to rebase later but that's"
+           " fine I guess) and you must bump to node 22 then 24 if possible")
+    await send(client, prompt(ask, session="cap-long"))
+    (rule,) = [m for m in await captured(client) if m["origin"] == "capture:user_rule"]
+    assert rule["kind"] == "constraint" and rule["text"].endswith("bump to node 22 then 24 if possible")
+    block = (await client.call("context", kind="start", session_id="cap-next", cwd="/tmp/capproj"))["text"]
+    (line,) = [ln for ln in block.splitlines() if ln.startswith("[C]")]
+    assert "this package would need a bump" in line and "node 22 then 24 if possible" in line and " … " in line
+    assert len(line) <= 160
+
+
 @pytest.mark.parametrize("command", [
     "git push origin main", "git stash", "ls -la", "cat README.md", "git status", "git commit", "git commit --amend",
     "pwd", "git diff HEAD~1", "echo hello",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loomd.ingest.reading import clip
+from loomd.ingest.reading import clip, clip_ends
 from loomd.store.memories import KIND_LETTERS
 from loomd.store.tasks import gaps
 
@@ -89,7 +89,9 @@ def render_line(line: Line, limit: int = MAX_LINE) -> str:
     letter = KIND_LETTERS.get(line.kind, "F")
     head, tail = f"[{letter}] {day(line.created)} ", f" #{line.id}"
     room = max(8, limit - len(head) - len(tail))
-    return head + clip(sanitise(line.text), room) + tail
+    # The user's own words (a rule, an ask) keep their end too: what to do often closes a long request.
+    cut = clip_ends if _group_of(line.kind) in ("rules", "asks") else clip
+    return head + cut(sanitise(line.text), room) + tail
 
 
 def _group_of(kind: str) -> str:

@@ -21,6 +21,7 @@ from loomd.ingest.reading import (
     SHELL_TOOLS,
     TEST_COMMAND,
     clip,
+    clip_ends,
     commit_subject,
     failed_output,
     first_error_line,
@@ -30,7 +31,7 @@ from loomd.ingest.reading import (
 from loomd.ingest.sentences import classify_user_sentence, user_sentences
 from loomd.store.memories import MemoryWriter, insert_memory, supersede
 
-MAX_TEXT = 200  # characters of a captured memory
+USER_RULE_CHARS = 320  # a rule in the user's words is kept whole more often than a tool's line (blocks clip it again)
 
 
 @dataclass
@@ -183,7 +184,7 @@ def _user_rule(_run: ToolRun | None, prompt: str | None, _s: SessionMemory) -> s
         return None
     for sentence in user_sentences(prompt):
         if classify_user_sentence(sentence) in ("constraint", "preference"):
-            return clip(sentence)
+            return clip_ends(sentence, USER_RULE_CHARS)  # what to do often closes a long sentence
     return None
 
 

@@ -20,6 +20,20 @@ def clip(text: str, limit: int = CLIP_CHARS) -> str:
     return (text[:cut].rstrip(" ,;:") if cut > limit // 2 else text[: limit - 1].rstrip()) + "…"
 
 
+def clip_ends(text: str, limit: int = CLIP_CHARS) -> str:
+    """Like `clip`, but a long text keeps its start and its end around the cut: a person's long request opens with
+    its context and closes with what to do ("… let's make a PR to bump to node 22 then 24 if possible")."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    end_room = (limit - 3) * 2 // 5
+    start = clip(text, limit - 3 - end_room).removesuffix("…")
+    end = text[len(text) - end_room:]
+    cut = end.find(" ")
+    end = end[cut + 1:] if 0 <= cut < end_room // 2 else end
+    return f"{start} … {end}"
+
+
 def tick(command: str, limit: int = 80) -> str:
     return "`" + clip(command.replace("`", "'"), limit) + "`"
 
