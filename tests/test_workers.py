@@ -628,6 +628,21 @@ async def test_the_users_own_words_outside_prompts_are_kept_and_start_the_next_s
         assert "Build EdgeRunner as a reusable trading engine" in starts[2]  # a note beside a chosen option
 
 
+def test_a_compaction_summary_quotes_the_users_own_words() -> None:
+    """Claude Code's compaction summary lists "All user messages" verbatim: the user's voice from the part of the
+    session the transcript no longer holds, read as prompts are (a rule as a rule, an ask as an ask)."""
+    summary = ("Summary:\n1. Primary Request and Intent:\n   The user asked to fix the failing CI checks.\n\n"
+               "6. All user messages:\n   - \"fix the failing ci checks with this branch and ci\"\n"
+               "   - \"make sure you commit and push to run on the latest\"\n\n"
+               "7. Pending Tasks:\n   - Fix the remaining duplicate code findings in internal/errors/\n")
+    out = observe([SourceEvent(1, "s", "compact_summary", 1.0, "claude", PROJECT, None, None, {"text": summary})],
+                  final=True)
+    said = {(o.type, o.text) for o in out}
+    assert ("constraint", "make sure you commit and push to run on the latest") in said, said
+    assert ("goal", "User asked (before compaction): fix the failing ci checks with this branch and ci") in said
+    assert any(o.type == "todo" and "duplicate code findings" in o.text for o in out)
+
+
 async def test_every_real_session_replays_into_observations_and_reflections(monkeypatch, home) -> None:
     root = need_test_data("transcripts")
     from loomd.ingest.transcript import detect_format

@@ -66,6 +66,7 @@ def _option(question: dict[str, Any], answer: str) -> str:
     return f"{answer}: {clip(described[answer], 60)}" if described.get(answer) else answer
 
 
+MAX_QUOTED_PROMPTS = 12  # of a compaction summary's "All user messages" (the newest part is in the transcript)
 _COMPACT_SECTIONS = {
     "primary request and intent": "goal", "pending tasks": "todo", "current work": "progress",
     "optional next step": "todo", "errors and fixes": "pitfall", "problem solving": "finding",
@@ -231,6 +232,7 @@ class RuleObserver:
     def on_compact(self, step: Step, lane: _Lane) -> None:
         """The agent's own compaction summary: its intent, open tasks, current work, errors and fixes."""
         items: list[tuple[str, str]] = []  # (section, text); nested bullets fold into their parent
+        said: list[str] = []  # Claude Code quotes every user message of the summarised part: the user's own words
         section, indent = "", -1
         for raw in step.text.splitlines():
             head = re.match(r"^\s*\d+\.\s+([A-Za-z ]+):?\s*$", raw)
@@ -238,6 +240,8 @@ class RuleObserver:
                 section, indent = head.group(1).strip().lower(), -1
                 continue
             bullet = re.match(r"^(\s*)[-*]\s+(.+)$", raw)
+            if bullet and section == "all user messages":
+                said.append(bullet.group(2).strip().strip('"'))
             if not bullet or section not in _COMPACT_SECTIONS:
                 continue
             depth, text = len(bullet.group(1)), bullet.group(2).strip().strip('"')
@@ -253,6 +257,8 @@ class RuleObserver:
                 continue
             counts[section] = counts.get(section, 0) + 1
             self.emit(_COMPACT_SECTIONS[section], f"Before compaction: {text}", step, section=section)
+        for text in said[-MAX_QUOTED_PROMPTS:]:
+            self.user_voice(text, step, "User asked (before compaction)")
         if not counts:
             first = summary_sentence(step.text)
             if first:
