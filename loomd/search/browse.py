@@ -115,12 +115,12 @@ async def session_view(store: Store, session_id: str, *, limit: int = 100, offse
     """A session: a page of its events in order (each with its text), its observations and other memories, its
     frozen blocks with their token cost and every memory injected into it. The per-prompt recall blocks are not
     stored as text, only the ids they injected (in `injected`)."""
-    row = await store.fetchone(f"SELECT {_SESSION_COLUMNS}, s.start_block, s.compact_block, s.injected"
+    row = await store.fetchone(f"SELECT {_SESSION_COLUMNS}, s.start_block, s.compact_block, s.injected AS injected_ids"
                                " FROM sessions s WHERE s.id = ?", (session_id,))
     if row is None:
         raise NotFound(f"no session '{session_id}'")
     session = dict(row)
-    injected_ids = json.loads(session.pop("injected") or "[]")
+    injected_ids = json.loads(session.pop("injected_ids") or "[]")
     events = await store.fetchall("SELECT * FROM events WHERE session_id = ? ORDER BY id LIMIT ? OFFSET ?",
                                   (session_id, limit, offset))
     injected = await _memories_where(store, "id IN (SELECT value FROM json_each(?))", [json.dumps(injected_ids)])
@@ -200,11 +200,13 @@ async def list_jobs(store: Store, *, worker: str | None = None, outcome: str | N
 
 
 async def stats_series(store: Store, *, project: str | None = None, days: int = 60,
-                       sessions: int = 30, now: float | None = None) -> dict[str, Any]:
-    """The stats page's series: distilled memories written per day by kind, the tokens injected into each recent
-    session (frozen blocks and every memory shown), the most recalled memories, and the store's growth."""
-    since = (now or time.time()) - days * DAY
+                       sessions: int = 30) -> dict[str, Any]:
+    """The stats page's series: distilled memories written per day by kind over the `days` up to the newest one
+    (an imported history may end long ago), the tokens injected into each recent session (frozen blocks and every
+    memory shown), the most recalled memories, and the store's growth."""
     project_sql, params = ("AND project = ?", [project]) if project else ("", [])
+    newest = await store.scalar(f"SELECT max(created) FROM memories WHERE 1 {project_sql}", params)
+    since = (newest or time.time()) - days * DAY
     by_kind = await store.fetchall(
         "SELECT CAST(created / 86400 AS INTEGER) AS day, kind, count(*) FROM memories"
         f" WHERE created >= ? AND kind != 'evidence' {project_sql} GROUP BY day, kind ORDER BY day",

@@ -18,9 +18,9 @@ from loomd.store.memories import MAX_MEMORY_CHARS, check_kind, content_hash, est
 # The checkpoint holding when the review queue was last worked (an approve, an edit, a merge): "since the last
 # review" is what was written after it.
 REVIEW_CHECKPOINT = "review:last"
-# What the queue shows: what the workers and capture rules distilled. Raw evidence passages and observations are
-# the workers' inputs, far too many to review one by one; a person's own `store` needs no review.
-REVIEWED_KINDS_OFF = ("evidence", "observation")
+# What the queue shows: what the workers and capture rules wrote. Evidence passages are verbatim copies of the
+# session, not claims (far too many to review one by one); a person's own `store` needs no review.
+REVIEWED_KINDS_OFF = ("evidence",)
 
 
 async def _row(db: aiosqlite.Connection, memory_id: int) -> aiosqlite.Row:

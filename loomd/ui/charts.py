@@ -25,11 +25,11 @@ def stacked_bars(columns: Sequence[str], series: Mapping[str, Sequence[float]], 
         return '<p class="empty">nothing yet</p>'
     totals = [sum(values[i] for values in series.values()) for i in range(len(columns))]
     top = max(totals) or 1
-    step = (WIDTH - PAD - 8) / len(columns)
+    step = min(48.0, (WIDTH - PAD - 8) / len(columns))  # a lone bar stays a bar, not a wall
     scale = (HEIGHT - 2 * PAD + 12) / top
     bars = []
     for i, column in enumerate(columns):
-        y = HEIGHT - PAD
+        y = float(HEIGHT - PAD)
         for j, (name, values) in enumerate(series.items()):
             h = values[i] * scale
             if h <= 0:
@@ -56,7 +56,9 @@ def line(columns: Sequence[str], values: Sequence[float], label: str) -> str:
     path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
     dots = "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5"><title>{esc(c)}: {v:g}</title></circle>'
                    for (x, y), c, v in zip(points, columns, values, strict=True))
-    ticks = "".join(f'<text x="{x:.1f}" y="{HEIGHT - PAD + 14}" class="tick" text-anchor="middle">{esc(c)}</text>'
-                    for i, ((x, _), c) in enumerate(zip(points, columns, strict=True))
-                    if i % max(1, len(columns) // 6) == 0)
+    last = len(columns) - 1
+    ticks = "".join(
+        f'<text x="{x:.1f}" y="{HEIGHT - PAD + 14}" class="tick" text-anchor="{"end" if i == last else "middle"}">'
+        f"{esc(c)}</text>" for i, ((x, _), c) in enumerate(zip(points, columns, strict=True))
+        if i % max(1, len(columns) // 6) == 0 or i == last)
     return _frame(f'<polyline class="line" points="{path}"/>{dots}{ticks}', top, label)

@@ -47,11 +47,11 @@ def page(title: str, active: str, body: str, csrf: str, flash: str = "") -> str:
     )
 
 
-def table(head: Iterable[str], rows: Iterable[Iterable[str]], cls: str = "") -> str:
-    """Cells are HTML already (escaped by whoever built them)."""
-    th = "".join(f"<th>{h}</th>" for h in head)
+def table(head: Iterable[str] | None, rows: Iterable[Iterable[str]], cls: str = "") -> str:
+    """Cells are HTML already (escaped by whoever built them); no `head`: a two-column fact sheet."""
+    th = "<thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead>" if head is not None else ""
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+    return f'<table class="{cls}">{th}<tbody>{body}</tbody></table>'
 
 
 def pager(path: str, params: Mapping[str, Any], offset: int, limit: int, total: int) -> str:

@@ -10,7 +10,18 @@ from typing import Any
 
 from loomd.ui.charts import line, stacked_bars
 from loomd.ui.html import (
-    KINDS, esc, kind_badge, memory_actions, memory_link, page, pager, select, share_bars, state_of, table, when,
+    KINDS,
+    esc,
+    kind_badge,
+    memory_actions,
+    memory_link,
+    page,
+    pager,
+    select,
+    share_bars,
+    state_of,
+    table,
+    when,
 )
 
 PAGE = 50
@@ -94,7 +105,7 @@ class Pages:
         links = await self.call("links", {"id": memory_id})
         sources = (await self.call("evidence", {"id": memory_id, "max_chars": 1500, "limit": 20}))["memories"]
         back = f"/memory/{memory_id}"
-        facts = table(["", ""], [
+        facts = table(None, [
             ["kind", kind_badge(m["kind"])], ["state", esc(state_of(m)) + (
                 f" ({esc(links['archive_reason'])})" if m["archived_at"] and links["archive_reason"] else "")],
             ["project", esc(m["project"])], ["scope", esc(m["scope"])], ["origin", esc(m["origin"])],
@@ -187,7 +198,7 @@ class Pages:
         injected = "".join(f"<li>{kind_badge(m['kind'])} {memory_link(m, 200)} <small>{m['tokens']} tok</small></li>"
                            for m in v["injected"])
         body = (
-            table(["", ""], [["agent", esc(s["agent"])], ["project", esc(s["project"])], ["folder", esc(s["cwd"])],
+            table(None, [["agent", esc(s["agent"])], ["project", esc(s["project"])], ["folder", esc(s["cwd"])],
                              ["started / last seen", f"{when(s['started'])} / {when(s['last_seen'])}"],
                              ["events", str(s["events"])], ["memories", str(s["memories"])]], "facts")
             + f"<h2>Injected</h2>{blocks}"
