@@ -350,3 +350,26 @@ def test_review_ops_keep_the_audit_trail_and_refuse_nonsense(viewer: Viewer) -> 
     started = time.time()
     assert viewer.call("approve", id=[b])["approved"] == 1
     assert viewer.call("review", project=viewer.project)["last_review"] >= started
+
+
+def test_the_cli_reviews_edits_and_merges(viewer: Viewer) -> None:
+    from click.testing import CliRunner
+
+    from loomd.cli import main as cli_main
+
+    env = {"LOOMD_HOME": str(viewer.daemon.home)}
+    a = viewer.call("store", text="Releases are cut on Fridays", kind="decision", project=viewer.project)["id"]
+    b = viewer.call("store", text="We cut releases every Friday", kind="decision", project=viewer.project)["id"]
+
+    def loom(*args: str) -> str:
+        result = CliRunner().invoke(cli_main, list(args), env=env)
+        assert result.exit_code == 0, result.output
+        return str(result.output)
+
+    queued = viewer.call("review", project=viewer.project, limit=1)["memories"][0]
+    assert f"#{queued['id']}" in loom("review", "--project", viewer.project, "--limit", "1")
+    assert "approved 1" in loom("review", "--approve", str(queued["id"]))
+    assert "edited" in loom("edit", str(a), "Releases are cut on Thursdays", "--reason", "moved")
+    assert viewer.call("links", id=a)["edits"][-1]["reason"] == "moved"
+    assert f"merged #{b} into #{a}" in loom("merge", str(a), str(b))
+    assert f"#{a} supersedes nothing new" in loom("supersede", str(a), str(b))  # the merge already did

@@ -48,15 +48,16 @@ def csrf_of(token: str) -> str:
 class Guard:
     """ASGI middleware: the token (query once, then cookie), the Host, and the Origin of state-changing requests."""
 
-    def __init__(self, app: ASGIApp, token: str, hosts: set[str]) -> None:
-        self.app, self.token, self.hosts = app, token, hosts
+    def __init__(self, app: ASGIApp, token: str, hosts: set[str] | None) -> None:
+        self.app, self.token, self.hosts = app, token, hosts  # hosts None: bound to a chosen interface, any name
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if headers.get("host", "") not in self.hosts:
+        host = headers.get("host", "")
+        if self.hosts is not None and host not in self.hosts:
             await PlainTextResponse("unknown host", 403)(scope, receive, send)
             return
         query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
@@ -75,8 +76,7 @@ class Guard:
                                     401)(scope, receive, send)
             return
         if scope["method"] not in SAFE_METHODS:
-            origin = headers.get("origin", "")
-            if origin not in {f"http://{h}" for h in self.hosts}:
+            if headers.get("origin", "") != f"http://{host}":
                 await PlainTextResponse("403: cross-site request refused", 403)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -122,7 +122,7 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def build_app(viewer: Viewer, token: str, hosts: set[str]) -> ASGIApp:
+def build_app(viewer: Viewer, token: str, hosts: set[str] | None) -> ASGIApp:
     """The viewer's ASGI app behind its guard."""
     csrf = csrf_of(token)
     pages = Pages(viewer.call, csrf)
@@ -202,11 +202,12 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def hosts_for(host: str, port: int) -> set[str]:
-    names = {host, f"[{host}]" if ":" in host else host}
-    if host in ("127.0.0.1", "::1", "localhost"):
-        names |= {"127.0.0.1", "localhost", "[::1]"}
-    return {f"{n}:{port}" for n in names}
+def hosts_for(host: str, port: int) -> set[str] | None:
+    """The Host names a loopback viewer answers to (another name there is DNS rebinding: a page of another site
+    resolving its own name to 127.0.0.1); on an interface chosen by the user, any name."""
+    if host not in ("127.0.0.1", "::1", "localhost"):
+        return None
+    return {f"{n}:{port}" for n in ("127.0.0.1", "localhost", "[::1]")}
 
 
 def run(host: str = "127.0.0.1", port: int = 0, open_browser: bool = True, socket_path: Path | None = None) -> None:

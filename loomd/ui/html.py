@@ -28,6 +28,16 @@ def when(ts: float | None, seconds: bool = False) -> str:
     return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M")
 
 
+def project_cell(key: str | None) -> str:
+    """A project key in a narrow column: its last path part, the whole key on hover."""
+    short = (key or "").rstrip("/").rsplit("/", 1)[-1] or (key or "")
+    return f'<span class="p" title="{esc(key)}">{esc(short)}</span>'
+
+
+def day(ts: float | None) -> str:
+    return f'<span class="d" title="{when(ts)}">{when(ts)[:10]}</span>'
+
+
 def url(path: str, params: Mapping[str, Any]) -> str:
     kept = {k: v for k, v in params.items() if v not in (None, "", 0) or k == "offset" and v}
     return path + ("?" + urlencode(kept) if kept else "")

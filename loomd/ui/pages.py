@@ -11,12 +11,14 @@ from typing import Any
 from loomd.ui.charts import line, stacked_bars
 from loomd.ui.html import (
     KINDS,
+    day,
     esc,
     kind_badge,
     memory_actions,
     memory_link,
     page,
     pager,
+    project_cell,
     select,
     share_bars,
     state_of,
@@ -84,7 +86,7 @@ class Pages:
                 "scope": f["scope"], "kind": f["kind"], "include_archived": f["state"] in ("archived", "all"),
                 "explain": True})
             hits = reply["results"][offset:]
-            rows = [[kind_badge(h["kind"]), memory_link(h, 300), esc(h["project"]), when(h.get("created")),
+            rows = [[kind_badge(h["kind"]), memory_link(h, 300), project_cell(h["project"]), day(h.get("created")),
                      share_bars(h.get("explain") or {}), esc(state_of(h))] for h in hits]
             body = table(["kind", "memory", "project", "created", "signals", "state"], rows, "memories")
             timing = reply.get("timings_ms") or reply.get("timings") or {}
@@ -94,7 +96,7 @@ class Pages:
             reply = await self.call("memories", {
                 "project": f["project"], "kind": f["kind"], "scope": f["scope"], "state": f["state"] or "active",
                 "limit": PAGE, "offset": offset})
-            rows = [[kind_badge(m["kind"]), memory_link(m, 300), esc(m["project"]), when(m["created"]),
+            rows = [[kind_badge(m["kind"]), memory_link(m, 300), project_cell(m["project"]), day(m["created"]),
                      str(m["hits"]), esc(state_of(m)), memory_actions(m, back)] for m in reply["memories"]]
             body = table(["kind", "memory", "project", "created", "hits", "state", ""], rows, "memories")
             body += pager("/", {k: v for k, v in f.items() if v}, offset, PAGE, reply["total"])
@@ -168,7 +170,7 @@ class Pages:
         form = ('<form class="filters" method="get" action="/sessions">'
                 + select("project", await self.projects(), project, "all projects")
                 + '<button type="submit">Go</button></form>')
-        rows = [[f'<a href="/session/{esc(s["id"])}">{esc(s["id"])}</a>', esc(s["agent"]), esc(s["project"]),
+        rows = [[f'<a href="/session/{esc(s["id"])}">{esc(s["id"])}</a>', esc(s["agent"]), project_cell(s["project"]),
                  when(s["started"]), when(s["last_seen"]), str(s["events"]), str(s["memories"]),
                  str(s["injected"]), str(s["start_tokens"] + s["compact_tokens"])] for s in reply["sessions"]]
         body = form + table(["session", "agent", "project", "started", "last seen", "events", "memories",
