@@ -9,7 +9,7 @@ server's: routing, the socket ops, SQL and rendering, without a browser or a net
 
 Prints one JSON object on stdout; a table goes to stderr.
 
-    python bench/ui.py [--sizes 1000,10000,100000] [--repeat 30]
+    python bench/ui.py [--sizes 1000,10000,100000] [--repeat 30] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -82,12 +82,15 @@ async def measure(sock: Path, repeat: int, size: int) -> dict[str, Any]:
     pages = {
         "memories": "/",
         "memories_page_10": "/?offset=500",
+        "memories_project": f"/?project={PROJECT}",
         "memories_kind_filter": f"/?kind=observation&project={PROJECT}",
         "memories_archived": "/?state=archived",
         "memories_search_keyword": "/?q=dinner+with+friends&mode=keyword",
         "sessions": "/sessions",
         "session": f"/session/{middle}",
         "review": "/review",
+        "review_project": f"/review?project={PROJECT}",
+        "sessions_project": f"/sessions?project={PROJECT}",
     }
     out: dict[str, Any] = {}
     transport = httpx.ASGITransport(app=app)
@@ -111,17 +114,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--keep", default=None, help="build the store in DIR and keep it; a store already there at "
+                        "the largest size is measured as it is")
     args = parser.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
-    texts = corpus(base_items(DEFAULT_DATA)[0], sizes[-1])
-    home = Path(tempfile.mkdtemp(prefix="lmbui", dir="/tmp"))
+    home = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="lmbui", dir="/tmp"))
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    reuse = (home / "loomd.db").exists()
+    texts = [] if reuse else corpus(base_items(DEFAULT_DATA)[0], sizes[-1])
     result: dict[str, Any] = {"machine": platform.platform(), "python": platform.python_version(), "sizes": {}}
     try:
         done = 0
         for size in sizes:
             started = time.perf_counter()
-            asyncio.run(grow(home / "loomd.db", texts, done, size, sizes[-1]))
-            add_sessions(home / "loomd.db", done, size, sizes[-1])
+            if not reuse:
+                asyncio.run(grow(home / "loomd.db", texts, done, size, sizes[-1]))
+                add_sessions(home / "loomd.db", done, size, sizes[-1])
             built = time.perf_counter() - started
             done = size
             daemon = Daemon({"LOOMD_EMBEDDER": "none"}, home=home)
@@ -133,7 +141,8 @@ def main() -> int:
             for name, p in pages.items():
                 print(f"{size:>7} {name:<26} p50 {p['p50']:>7} ms  p99 {p['p99']:>7} ms", file=sys.stderr, flush=True)
     finally:
-        shutil.rmtree(home, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(home, ignore_errors=True)
     print(json.dumps(result, indent=2))
     return 0
 

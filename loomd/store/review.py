@@ -19,8 +19,10 @@ from loomd.store.memories import MAX_MEMORY_CHARS, check_kind, content_hash, est
 # review" is what was written after it.
 REVIEW_CHECKPOINT = "review:last"
 # What the queue shows: what the workers and capture rules wrote. Evidence passages are verbatim copies of the
-# session, not claims (far too many to review one by one); a person's own `store` needs no review.
-REVIEWED_KINDS_OFF = ("evidence",)
+# session, not claims (far too many to review one by one); a person's own `store` needs no review. The same terms
+# as the partial index `memories_unreviewed` (migration m006), word for word, so the planner uses it.
+UNREVIEWED = ("archived_at IS NULL AND superseded_by IS NULL AND kind != 'evidence' AND origin != 'store'"
+              " AND json_extract(meta, '$.reviewed_at') IS NULL")
 
 
 async def _row(db: aiosqlite.Connection, memory_id: int) -> aiosqlite.Row:

@@ -64,14 +64,15 @@ def table(head: Iterable[str] | None, rows: Iterable[Iterable[str]], cls: str = 
     return f'<table class="{cls}">{th}<tbody>{body}</tbody></table>'
 
 
-def pager(path: str, params: Mapping[str, Any], offset: int, limit: int, total: int) -> str:
-    if total <= limit:
+def pager(path: str, params: Mapping[str, Any], offset: int, limit: int, total: int, more: bool = False) -> str:
+    """Newer/older links around a page; `more`: the count stopped at `total` (the op caps it)."""
+    if total <= limit and not offset and not more:
         return f'<p class="pager">{total} shown</p>'
     links = []
     if offset > 0:
         links.append(f'<a href="{esc(url(path, {**params, "offset": max(0, offset - limit)}))}">← newer</a>')
-    links.append(f"<span>{offset + 1}–{min(offset + limit, total)} of {total}</span>")
-    if offset + limit < total:
+    links.append(f"<span>{offset + 1}–{min(offset + limit, total)} of {total}{'+' if more else ''}</span>")
+    if offset + limit < total or more:
         links.append(f'<a href="{esc(url(path, {**params, "offset": offset + limit}))}" rel="next">older →</a>')
     return '<p class="pager">' + " ".join(links) + "</p>"
 

@@ -99,7 +99,7 @@ class Pages:
             rows = [[kind_badge(m["kind"]), memory_link(m, 300), project_cell(m["project"]), day(m["created"]),
                      str(m["hits"]), esc(state_of(m)), memory_actions(m, back)] for m in reply["memories"]]
             body = table(["kind", "memory", "project", "created", "hits", "state", ""], rows, "memories")
-            body += pager("/", {k: v for k, v in f.items() if v}, offset, PAGE, reply["total"])
+            body += pager("/", {k: v for k, v in f.items() if v}, offset, PAGE, reply["total"], reply["more"])
         return self.frame("Memories", "memories", form + body, flash)
 
     async def memory(self, memory_id: int, flash: str = "") -> str:
@@ -227,11 +227,12 @@ class Pages:
             f'{when(m["created"])}</small>{memory_actions(m, "/review")}</li>' for m in v["memories"])
         help_ = ('<p class="keys"><kbd>j</kbd>/<kbd>k</kbd> move · <kbd>a</kbd> approve · <kbd>e</kbd> edit · '
                  "<kbd>x</kbd> archive · <kbd>m</kbd> merge into… · <kbd>s</kbd> supersedes… · <kbd>o</kbd> open</p>")
-        head = (f'<p class="meta">{v["total"]} to review · {v["new"]} written since the last review '
+        head = (f'<p class="meta">{v["total"]}{"+" * v["more"]} to review · {v["new"]}{"+" * v["new_more"]}'
+                f' written since the last review '
                 f'({when(v["last_review"])})</p>')
         body = head + help_ + (f'<ol class="queue">{items}</ol>' if items else '<p class="empty">all reviewed</p>')
         return self.frame("Review", "review", body + pager("/review", {"project": project}, offset, PAGE,
-                                                            v["total"]), flash)
+                                                            v["total"], v["more"]), flash)
 
     async def tasks(self) -> str:
         found = (await self.call("task_list", {"all_projects": True}))["tasks"]
