@@ -27,6 +27,8 @@ import pytest
 from conftest import REPO, DaemonProcess, need_test_data
 
 from loomd.client import Client, RemoteError
+from loomd.search import browse
+from loomd.store.db import Store
 
 REAL = "daaain-claude-code-log/-Users-dain-workspace-JSSoundRecorder"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -373,3 +375,27 @@ def test_the_cli_reviews_edits_and_merges(viewer: Viewer) -> None:
     assert viewer.call("links", id=a)["edits"][-1]["reason"] == "moved"
     assert f"merged #{b} into #{a}" in loom("merge", str(a), str(b))
     assert f"#{a} supersedes nothing new" in loom("supersede", str(a), str(b))  # the merge already did
+
+
+async def test_the_viewers_lists_read_an_index_range_not_the_whole_table(store: Store) -> None:
+    """At 100k memories a whole-table scan costs 0.1-0.7 s a page: every list query must stop at its page (an index
+    in id order, or m006's partial indexes), whatever the filters. Checked on SQLite's own plan, not on a clock."""
+    statements: list[str] = []
+    await store.reader.set_trace_callback(statements.append)
+    for state in browse.STATES:
+        await browse.list_memories(store, state=state)
+        await browse.list_memories(store, state=state, project="p")
+        await browse.list_memories(store, state=state, project="p", kind="decision")
+    await browse.review_queue(store)
+    await browse.review_queue(store, project="p")
+    await browse.list_sessions(store, project="p")
+    await store.reader.set_trace_callback(None)
+    scans = {}
+    for sql in statements:
+        if "FROM memories" in sql and "EXPLAIN" not in sql:
+            plan = [r[3] for r in await store.fetchall("EXPLAIN QUERY PLAN " + sql)]
+            # A plain SCAN walks ids newest first and stops at the page; an index range or a partial index too.
+            # A search by project then a sort reads every memory of the project.
+            if any("TEMP B-TREE" in step for step in plan) or any("memories_hash" in step for step in plan):
+                scans[sql] = plan
+    assert not scans, scans
