@@ -38,6 +38,7 @@ CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--disable-dev-shm-usage", "--window-size=1280,900")
 SHOTS = os.environ.get("LOOMD_UI_SCREENSHOTS")
+SECRET = "sk-ui-test-0123456789abcdef"
 
 
 @dataclass
@@ -61,7 +62,8 @@ def viewer() -> Iterator[Viewer]:
     home = Path(tempfile.mkdtemp(prefix="lmui", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") or k == "LOOMD_TEST_DATA"}
     env.update(LOOMD_HOME=str(home), LOOMD_EMBEDDER=os.environ.get("LOOMD_TEST_EMBEDDER", "local"),
-               LOOMD_PASSIVE="1", LOOMD_TAIL_TRANSCRIPTS="0", LOOMD_CODEX_HOME=str(home / "codex-home"))
+               LOOMD_PASSIVE="1", LOOMD_TAIL_TRANSCRIPTS="0", LOOMD_CODEX_HOME=str(home / "codex-home"),
+               LOOMD_MODEL_KEY=SECRET)  # no `model_api`: the key is never used, only shown masked
     daemon = DaemonProcess(home, env)
     daemon.env = env
     daemon.start()
@@ -176,6 +178,10 @@ def test_every_page_opens_with_the_replayed_session(viewer: Viewer, browser: Any
     shot(browser, "stats")
     browser.get(viewer.base + "/workers")
     assert "observer" in browser.find_element(By.TAG_NAME, "table").text
+    browser.get(viewer.base + "/config")
+    assert SECRET not in browser.page_source
+    row = next(r for r in browser.find_elements(By.CSS_SELECTOR, "table.config tr") if "model_key" in r.text)
+    assert '"***"' in row.text and "env LOOMD_MODEL_KEY" in row.text
 
 
 def test_search_shows_each_signals_share(viewer: Viewer, browser: Any) -> None:

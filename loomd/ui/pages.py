@@ -259,8 +259,9 @@ class Pages:
         usage = model.get("usage") or {}
         used = usage.get("tokens", 0) if isinstance(usage, dict) else 0
         budget = model.get("daily_tokens") or 0
-        spend = (f'<p>Model {esc(model.get("api") or "none")} {esc(model.get("model") or "")}: {used} of {budget} '
-                 f'tokens today <meter min="0" max="{budget or 1}" value="{used}"></meter></p>')
+        spend = (f'<p>Model distiller {esc(model.get("api"))} {esc(model.get("model"))}: {used} of {budget} tokens '
+                 f'today <meter min="0" max="{budget or 1}" value="{used}"></meter></p>' if model.get("api") else
+                 "<p>No model distiller configured (the rules distill; no tokens spent).</p>")
         backlog = (f'<p>Backlog: {status["embedder"].get("pending", 0)} memories to embed, '
                    f'{status["spool_backlog"]} spooled events, {status["queue_depth"]} queued writes.</p>')
         job_rows = [[str(j["id"]), esc(j["worker"]), esc(j["trigger"]), when(j["started"], True),
