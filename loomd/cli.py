@@ -390,6 +390,78 @@ def purge(ids: tuple[int, ...], session: str | None, project: str | None, match:
 
 
 @main.command()
+@click.argument("memory_id", type=int)
+@click.argument("text", required=False)
+@click.option("--kind", default=None, help="also change its kind")
+@click.option("--reason", default="edit", show_default=True, help="kept with the old text in its edit trail")
+@json_option
+def edit(memory_id: int, text: str | None, kind: str | None, reason: str, as_json: bool) -> None:
+    """Correct a memory: new TEXT (without it, your $EDITOR opens on the current text); the old text is kept."""
+    if text is None and kind is None:
+        (current,) = _call("detail", {"id": memory_id, "sources": False})["memories"]
+        text = click.edit(current["text"])
+        if text is None:
+            raise click.ClickException("nothing changed (the editor was closed without saving)")
+    data = _call("edit", {"id": memory_id, "text": text, "kind": kind, "reason": reason})
+    _emit(data, as_json, lambda d: ("edited " if d["changed"] else "unchanged ") + _memory_line(d["memory"]))
+
+
+@main.command()
+@click.argument("keep", type=int)
+@click.argument("others", nargs=-1, type=int, required=True)
+@click.option("--text", default=None, help="the merged memory's new text")
+@json_option
+def merge(keep: int, others: tuple[int, ...], text: str | None, as_json: bool) -> None:
+    """Merge OTHERS into KEEP: their sources and hits join it; they are superseded by it and archived."""
+    data = _call("merge", {"id": keep, "other": list(others), "text": text})
+    _emit(data, as_json, lambda d: f"merged {', '.join(f'#{i}' for i in d['merged'])} into #{d['id']}")
+
+
+@main.command()
+@click.argument("new", type=int)
+@click.argument("old", nargs=-1, type=int, required=True)
+@json_option
+def supersede(new: int, old: tuple[int, ...], as_json: bool) -> None:
+    """Mark NEW as superseding OLD (kept, out of date, in its chain; no longer injected)."""
+    data = _call("supersede", {"id": new, "old": list(old)})
+    _emit(data, as_json, lambda d: f"#{new} supersedes {', '.join(f'#{i}' for i in d['superseded']) or 'nothing new'}")
+
+
+@main.command()
+@click.option("--project", default=None, help="only this project key (see `loom projects`)")
+@click.option("--limit", default=20, show_default=True)
+@click.option("--approve", "approve_ids", multiple=True, type=int, help="mark this memory reviewed (repeatable)")
+@json_option
+def review(project: str | None, limit: int, approve_ids: tuple[int, ...], as_json: bool) -> None:
+    """The review queue: what the workers and capture rules wrote that no one has reviewed yet."""
+    if approve_ids:
+        _emit(_call("approve", {"id": list(approve_ids)}), as_json, lambda d: f"approved {d['approved']}")
+        return
+    data = _call("review", {"project": project, "limit": limit})
+
+    def human(d: dict[str, Any]) -> str:
+        head = f"{d['total']} to review ({d['new']} new since the last review, {_day(d['last_review'])})"
+        tail = "approve: loom review --approve ID · correct: loom edit ID · archive: loom forget ID"
+        return "\n".join([head, *(_memory_line(m) for m in d["memories"]), tail])
+    _emit(data, as_json, human)
+
+
+@main.command()
+@click.option("--host", default=None, help="the interface to listen on (default: ui_host, 127.0.0.1)")
+@click.option("--port", default=None, type=int, help="the port (default: ui_port; 0 = a free one)")
+@click.option("--no-browser", is_flag=True, help="only print the URL")
+def ui(host: str | None, port: int | None, no_browser: bool) -> None:
+    """The local web viewer: see, search, review and correct memories (over the daemon's socket)."""
+    from loomd.ui.app import run  # starlette and uvicorn load only for this command
+
+    cfg = load_config()
+    try:
+        run(host=host or cfg.ui_host, port=cfg.ui_port if port is None else port, open_browser=not no_browser)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen: {exc}") from exc
+
+
+@main.command()
 @click.argument("ids", nargs=-1, type=int, required=True)
 @json_option
 def restore(ids: tuple[int, ...], as_json: bool) -> None:

@@ -121,6 +121,9 @@ class Config:
     model_key: str = ""
     model_daily_tokens: int = 200_000
     model_timeout_s: float = 30.0
+    # the web viewer (`loom ui`): loopback and a free port unless set; another interface only when set here
+    ui_host: str = "127.0.0.1"
+    ui_port: int = 0
     # transcripts
     tail_transcripts: bool = True
     codex_home: str = ""

@@ -20,16 +20,22 @@ from loomd.ingest.history import HistoryImporter
 from loomd.ingest.project import project_of
 from loomd.ingest.writer import EventWriter
 from loomd.protocol import REQUIRED, ArgSpec, takes
+from loomd.search import browse
 from loomd.search.floor import Floor, apply_floor, top_signal
 from loomd.search.retrieval import SearchContext, search_hits
 from loomd.search.views import event_view, evidence, timeline
-from loomd.store import tasks
+from loomd.store import review, tasks
 from loomd.store.db import Store
 from loomd.store.memories import SCOPES, MemoryWriter, fetch_memories, insert_memory, set_archived
 from loomd.store.projects import list_projects
 from loomd.store.purge import describe, purge, select
 from loomd.workers.model import BUDGET_CHECKPOINT
 from loomd.workers.scheduler import Scheduler
+
+
+def _page(a: dict[str, Any], top: int = 500) -> None:
+    if not (1 <= a["limit"] <= top and a["offset"] >= 0):
+        raise BadRequest(f"'limit' must be 1-{top} and 'offset' at least 0")
 
 
 def _ids(value: Any) -> list[int]:
@@ -403,3 +409,85 @@ class Ops:
         """Run one worker now (`dry_run`: report what it would write, write nothing); waits for it to finish."""
         return await self.s.scheduler.run(a["name"], session_id=a["session_id"], project=a["project"],
                                           dry_run=a["dry_run"], final=a["final"])
+
+    @takes({"project": (str, None), "kind": (str, None), "scope": (str, None), "state": (str, "active"),
+            "limit": (int, 50), "offset": (int, 0)})
+    async def handle_memories(self, a: dict[str, Any]) -> dict[str, Any]:
+        """A page of memories by filter (`state` active/archived/superseded/all; no `kind`: all but evidence),
+        newest first, with how many match."""
+        _page(a)
+        return await browse.list_memories(self.s.store, **a)
+
+    @takes({"id": (int, REQUIRED)})
+    async def handle_links(self, a: dict[str, Any]) -> dict[str, Any]:
+        """A memory's edges, supersession chain, the sessions it was injected into, edit trail and merges."""
+        return await browse.memory_links(self.s.store, a["id"])
+
+    @takes({"project": (str, None), "limit": (int, 50), "offset": (int, 0)})
+    async def handle_sessions(self, a: dict[str, Any]) -> dict[str, Any]:
+        """A page of sessions, last seen first, with their counts and block token costs."""
+        _page(a)
+        return await browse.list_sessions(self.s.store, **a)
+
+    @takes({"session_id": (str, REQUIRED), "limit": (int, 100), "offset": (int, 0), "max_chars": (int, 4000)})
+    async def handle_session(self, a: dict[str, Any]) -> dict[str, Any]:
+        """One session: a page of its events, its observations and memories, the blocks and memories injected."""
+        _page(a)
+        if not 1 <= a["max_chars"] <= 20_000:
+            raise BadRequest("'max_chars' must be 1-20000")
+        return await browse.session_view(self.s.store, a.pop("session_id"), **a)
+
+    @takes({"worker": (str, None), "outcome": (str, None), "limit": (int, 50)})
+    async def handle_jobs(self, a: dict[str, Any]) -> dict[str, Any]:
+        """The newest worker runs (filter by `worker`, `outcome`), each with its error and detail."""
+        if not 1 <= a["limit"] <= 500:
+            raise BadRequest("'limit' must be 1-500")
+        return {"jobs": await browse.list_jobs(self.s.store, **a)}
+
+    @takes({"project": (str, None), "days": (int, 60), "sessions": (int, 30)})
+    async def handle_series(self, a: dict[str, Any]) -> dict[str, Any]:
+        """The stats series: memories per day by kind, tokens injected per session, top recalled, growth."""
+        if not (1 <= a["days"] <= 3650 and 1 <= a["sessions"] <= 500):
+            raise BadRequest("'days' must be 1-3650 and 'sessions' 1-500")
+        return await browse.stats_series(self.s.store, **a)
+
+    @takes({"project": (str, None), "limit": (int, 50), "offset": (int, 0)})
+    async def handle_review(self, a: dict[str, Any]) -> dict[str, Any]:
+        """The review queue: what the workers and capture rules wrote that no one has reviewed, newest first."""
+        _page(a)
+        return await browse.review_queue(self.s.store, **a)
+
+    @takes({"id": ((int, list), REQUIRED)})
+    async def handle_approve(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Mark memories reviewed as they are: they leave the review queue."""
+        async with self.s.store.atomic() as db:
+            return {"approved": await review.approve(db, _ids(a["id"]))}
+
+    @takes({"id": (int, REQUIRED), "text": (str, None), "kind": (str, None), "reason": (str, "edit")})
+    async def handle_edit(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Replace a memory's text and/or kind; the old ones are kept in its `edits` trail, its entities, neighbour
+        context and vector follow the new text (re-embedded by the back-fill)."""
+        if a["text"] is None and a["kind"] is None:
+            raise BadRequest("edit needs a 'text' or a 'kind'")
+        async with self.s.memories.atomic() as db:
+            changed = await review.edit(db, a["id"], a["text"], a["kind"], a["reason"])
+            if changed:
+                await self.s.memories.derive(db, [a["id"]])
+        (memory,) = await fetch_memories(self.s.store, [a["id"]])
+        return {"changed": changed, "memory": memory}
+
+    @takes({"id": (int, REQUIRED), "other": ((int, list), REQUIRED), "text": (str, None)})
+    async def handle_merge(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Fold `other` into `id`: sources and hits join it, the others are superseded by it and archived; `text`
+        replaces its text (kept in its edit trail)."""
+        async with self.s.memories.atomic() as db:
+            result = await review.merge(db, a["id"], _ids(a["other"]), a["text"])
+            if result["edited"]:
+                await self.s.memories.derive(db, [a["id"]])
+        return result
+
+    @takes({"id": (int, REQUIRED), "old": ((int, list), REQUIRED)})
+    async def handle_supersede(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Mark memory `id` as superseding `old` (kept, out of date, in its chain; no longer injected)."""
+        async with self.s.memories.atomic() as db:
+            return {"superseded": await review.mark_superseding(db, a["id"], _ids(a["old"]))}

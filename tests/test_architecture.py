@@ -23,7 +23,8 @@ ALLOWED: dict[str, set[str]] = {
     "ops": {"store", "ingest", "vectors", "search", "context", "workers"},
     "daemon": {"store", "ingest", "vectors", "search", "context", "workers", "server", "ops"},
     "mcp": set(),
-    "cli": {"installer", "mcp"},
+    "ui": set(),
+    "cli": {"installer", "mcp", "ui"},
     "__main__": {"daemon"},
 }
 

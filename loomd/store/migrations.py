@@ -248,3 +248,19 @@ def m004_search_indexes(db: sqlite3.Connection) -> None:
 def m005_start_block_index(db: sqlite3.Connection) -> None:
     """The start block reads the top memories of each kind: one short index range per kind, even at 100k rows."""
     run_script(db, "CREATE INDEX IF NOT EXISTS memories_rank ON memories(project, kind, importance, updated);")
+
+
+@migration
+def m006_browse_indexes(db: sqlite3.Connection) -> None:
+    """The viewer's lists stay a short index range at 100k memories: the review queue (what the workers and capture
+    rules wrote that no one reviewed: `search/browse.py` repeats these terms so the planner takes the index), and
+    the archived and superseded memories, few among many."""
+    run_script(db,
+        """
+        CREATE INDEX IF NOT EXISTS memories_unreviewed ON memories(id)
+            WHERE archived_at IS NULL AND superseded_by IS NULL AND kind != 'evidence' AND origin != 'store'
+            AND json_extract(meta, '$.reviewed_at') IS NULL;
+        CREATE INDEX IF NOT EXISTS memories_archived ON memories(id) WHERE archived_at IS NOT NULL;
+        CREATE INDEX IF NOT EXISTS memories_superseded ON memories(id) WHERE superseded_by IS NOT NULL;
+        """
+    )
