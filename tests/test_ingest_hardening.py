@@ -249,7 +249,8 @@ def tiny_disk(home: Path) -> Iterator[Path]:
 
 
 def fill(path: Path) -> None:
-    with path.open("wb") as fh, contextlib.suppress(OSError):
+    # Suppress outermost: closing the file flushes what the last write left in its buffer, and raises ENOSPC too.
+    with contextlib.suppress(OSError), path.open("wb") as fh:
         while True:
             fh.write(b"\0" * 65536)
             fh.flush()
