@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -19,7 +21,7 @@ from loomd.ignore import IgnoredProjects
 from loomd.ingest.events import PROMPT_MARK, Event, paired_dedup
 from loomd.ingest.parser import EventParser
 from loomd.ingest.project import project_of
-from loomd.store.db import Store
+from loomd.store.db import Store, on_thread
 
 log = logging.getLogger(__name__)
 
@@ -162,36 +164,11 @@ class EventWriter:
         return failed
 
     async def _commit(self, batch: list[Batch], derive: bool = True) -> None:
-        now = time.time()
         events = [e for item in batch for e in item.events]
         async with self.store.atomic() as db:
-            stored: list[Event] = []
-            for event in events:
-                event.stored = False
-                if event.dedup and await is_copy(db, event):
-                    continue
-                payload = json.dumps(event.payload, ensure_ascii=False)
-                cur = await db.execute(
-                    "INSERT OR IGNORE INTO events (key, agent, session_id, project, kind, source, ts, received,"
-                    " tool_name, tool_use_id, dedup, tokens, payload) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (event.key, event.agent, event.session_id, event.project, event.kind, event.source, event.ts,
-                     now, event.tool_name, event.tool_use_id, event.dedup, event.tokens, payload),
-                )
-                if cur.rowcount == 1:
-                    event.id, event.stored = cur.lastrowid, True
-                    stored.append(event)
-                await db.execute(
-                    "INSERT INTO sessions (id, agent, project, cwd, transcript_path, started, last_seen, ended)"
-                    " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET"
-                    " last_seen = max(last_seen, excluded.last_seen),"
-                    # A session first seen through a line without a cwd takes its project from the next event.
-                    " project = CASE WHEN sessions.project = 'unknown' THEN excluded.project ELSE sessions.project END,"
-                    " cwd = coalesce(sessions.cwd, excluded.cwd),"
-                    " transcript_path = coalesce(excluded.transcript_path, sessions.transcript_path),"
-                    " ended = CASE WHEN excluded.ended IS NOT NULL THEN excluded.ended ELSE sessions.ended END",
-                    (event.session_id, event.agent, event.project, event.cwd, event.transcript_path, event.ts,
-                     event.ts, event.ts if event.kind == "SessionEnd" else None),
-                )
+            # Every event's statements in one trip to the writer's thread: a trip per statement (three per event)
+            # cost more than the statements themselves, and the loop paid for each one.
+            stored = await on_thread(db, functools.partial(insert_events, events=events, now=time.time()))
             for processor in self.processors if derive else ():
                 try:
                     await processor(db, stored)
@@ -203,7 +180,40 @@ class EventWriter:
         self.committed += len(stored)
 
 
-async def is_copy(db: aiosqlite.Connection, event: Event) -> bool:
+def insert_events(conn: sqlite3.Connection, events: Sequence[Event], now: float) -> list[Event]:
+    """Insert the events not stored yet and upsert their sessions (on the writer's thread, inside the caller's
+    transaction); returns those stored now, each with its id."""
+    stored: list[Event] = []
+    for event in events:
+        event.stored = False
+        if event.dedup and is_copy(conn, event):
+            continue
+        payload = json.dumps(event.payload, ensure_ascii=False)
+        cur = conn.execute(
+            "INSERT OR IGNORE INTO events (key, agent, session_id, project, kind, source, ts, received,"
+            " tool_name, tool_use_id, dedup, tokens, payload) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (event.key, event.agent, event.session_id, event.project, event.kind, event.source, event.ts,
+             now, event.tool_name, event.tool_use_id, event.dedup, event.tokens, payload),
+        )
+        if cur.rowcount == 1:
+            event.id, event.stored = cur.lastrowid, True
+            stored.append(event)
+        conn.execute(
+            "INSERT INTO sessions (id, agent, project, cwd, transcript_path, started, last_seen, ended)"
+            " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET"
+            " last_seen = max(last_seen, excluded.last_seen),"
+            # A session first seen through a line without a cwd takes its project from the next event.
+            " project = CASE WHEN sessions.project = 'unknown' THEN excluded.project ELSE sessions.project END,"
+            " cwd = coalesce(sessions.cwd, excluded.cwd),"
+            " transcript_path = coalesce(excluded.transcript_path, sessions.transcript_path),"
+            " ended = CASE WHEN excluded.ended IS NOT NULL THEN excluded.ended ELSE sessions.ended END",
+            (event.session_id, event.agent, event.project, event.cwd, event.transcript_path, event.ts,
+             event.ts, event.ts if event.kind == "SessionEnd" else None),
+        )
+    return stored
+
+
+def is_copy(conn: sqlite3.Connection, event: Event) -> bool:
     """Whether `event` is another copy of a stored one: a hook event and its transcript line (one tool call, one
     prompt) are stored once.
 
@@ -213,16 +223,15 @@ async def is_copy(db: aiosqlite.Connection, event: Event) -> bool:
     arrives first; a copy that never arrives (a lost hook) costs nothing but its pairing.
     """
     assert event.dedup is not None
-    # execute_fetchall: one trip to the writer's thread where execute, fetch and close take three.
     if not event.dedup.startswith(PROMPT_MARK):
-        return bool(await db.execute_fetchall("SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
-                                              (event.session_id, event.dedup)))
-    if await db.execute_fetchall("SELECT 1 FROM events WHERE key = ?", (event.key,)):
+        return conn.execute("SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
+                            (event.session_id, event.dedup)).fetchone() is not None
+    if conn.execute("SELECT 1 FROM events WHERE key = ?", (event.key,)).fetchone() is not None:
         return True  # this very copy again (a spool replay, a re-read line): it must not take another's pair
-    other = list(await db.execute_fetchall(
+    other = conn.execute(
         "SELECT id FROM events WHERE session_id = ? AND dedup = ? AND source != ? ORDER BY abs(ts - ?), id LIMIT 1",
-        (event.session_id, event.dedup, event.source, event.ts)))
-    if not other:
+        (event.session_id, event.dedup, event.source, event.ts)).fetchone()
+    if other is None:
         return False
-    await db.execute("UPDATE events SET dedup = ? WHERE id = ?", (paired_dedup(event.dedup), other[0][0]))
+    conn.execute("UPDATE events SET dedup = ? WHERE id = ?", (paired_dedup(event.dedup), other[0]))
     return True

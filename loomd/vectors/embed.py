@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from loomd.errors import EmbedderError
+from loomd.offload import ChildDied, Offload
 
 if TYPE_CHECKING:
     import httpx
@@ -315,13 +316,48 @@ def load_local(model_path: Path | None = None, threads: int = 1) -> LocalEmbedde
         return _LOADED[key]
 
 
-def make_embedder(config: Config) -> Embedder:
-    """The provider the config names; blocking (the local model loads here)."""
+def embed_local(model_path: Path | None, threads: int, texts: list[str]) -> list[bytes]:
+    """In the offload process: the local model (loaded there once) embeds `texts`."""
+    return load_local(model_path, threads).embed(texts)
+
+
+class ChildEmbedder:
+    """The local model run in the offload process (`loomd.offload`): the daemon's own process never holds it, so
+    the tokenizer's and numpy's Python work never takes the event loop's interpreter lock. Blocking: call it from a
+    thread. `lane` keeps queries off the back-fill's queue."""
+
+    name = LOCAL_NAME
+    dim = LOCAL_DIM
+
+    def __init__(self, offload: Offload, model_path: Path | None, threads: int, lane: str = "embed") -> None:
+        self.offload = offload
+        self.model_path = model_path
+        self.threads = threads
+        self.lane = lane
+
+    def embed(self, texts: list[str]) -> list[bytes]:
+        try:
+            return self.offload.call_sync(self.lane, embed_local, self.model_path, self.threads, texts)
+        except ChildDied as exc:
+            raise EmbedderError(str(exc)) from exc
+
+    def on_lane(self, lane: str) -> ChildEmbedder:
+        return ChildEmbedder(self.offload, self.model_path, self.threads, lane)
+
+
+def make_embedder(config: Config, offload: Offload | None = None) -> Embedder:
+    """The provider the config names; blocking (the local model loads here, or in `offload`'s process)."""
     kind = config.embedder.strip().lower()
     if kind == "local":
         # One thread by default keeps the daemon from competing with the agent.
         path = Path(config.embed_model_path).expanduser() if config.embed_model_path else None
-        return load_local(path, threads=max(1, int(config.embed_threads or 1)))
+        threads = max(1, int(config.embed_threads or 1))
+        if offload is None:
+            return load_local(path, threads=threads)
+        offload.ensure_started()  # the supervisor starts it too; whichever comes first
+        child = ChildEmbedder(offload, path, threads)
+        child.embed(["warm up"])  # loads (and checks) the model now: a broken install fails at startup
+        return child
     if kind == "openai":
         timeout = float(getattr(config, "embed_timeout_s", 30.0) or 30.0)
         return OpenAIEmbedder(config.embed_url, config.embed_model, config.embed_key, config.embed_dim, timeout)

@@ -21,9 +21,10 @@ import numpy as np
 
 from loomd.errors import EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
+from loomd.offload import Offload
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.vectors.backfill import BATCH, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
-from loomd.vectors.embed import LOCAL_NAME, Embedder, NoEmbedder, make_embedder
+from loomd.vectors.embed import LOCAL_NAME, ChildEmbedder, Embedder, NoEmbedder, make_embedder
 from loomd.vectors.index import PREFILTER, BitIndex, Filters
 
 if TYPE_CHECKING:
@@ -84,12 +85,14 @@ class VectorService:
     IDLE_RESCAN_S = 5.0
     FULL_RESCAN_S = 600.0
 
-    def __init__(self, config: Config, store: Store) -> None:
+    def __init__(self, config: Config, store: Store, offload: Offload | None = None) -> None:
         self.config = config
         self.store = store
+        self.offload = offload  # where the local model runs (None: in this process, on the threads below)
         self.state = "off" if config.embedder.strip().lower() == "none" else "loading"
         self.error = ""
         self.embedder: Embedder | None = None
+        self._query_embedder: Embedder | None = None
         self.index: BitIndex | None = None
         self.pending = 0
         self.generation = 0  # bumped by every memory write: caches of counts check it
@@ -117,7 +120,7 @@ class VectorService:
             return
         loop = asyncio.get_running_loop()
         try:
-            self.embedder = await loop.run_in_executor(self._bulk, make_embedder, self.config)
+            self.embedder = await loop.run_in_executor(self._bulk, make_embedder, self.config, self.offload)
         except EmbedderError as exc:
             self.state, self.error = "failed", str(exc)
             log.error("the embedder did not load, search is full-text only until it is fixed: %s", exc)
@@ -125,6 +128,9 @@ class VectorService:
         if isinstance(self.embedder, NoEmbedder):
             self.state = "off"
             return
+        # In the offload process a query has a lane of its own: it never waits behind a back-fill batch.
+        self._query_embedder = (self.embedder.on_lane("query") if isinstance(self.embedder, ChildEmbedder)
+                                else self.embedder)
         await loop.run_in_executor(self._bulk, release_memory)  # the model file's bytes and the graph rewrite
         try:
             self.index = await loop.run_in_executor(self._bulk, self._open_index)
@@ -284,9 +290,9 @@ class VectorService:
     def _embed_and_rank(
         self, query: str, filters: Filters, prefilter: int, raw: bool,
     ) -> tuple[np.ndarray, list[int], int, float, float]:
-        assert self.embedder is not None and self.index is not None
+        assert self._query_embedder is not None and self.index is not None
         started = time.perf_counter()
-        vector = np.frombuffer(self.embedder.embed([query])[0], dtype="<f4")
+        vector = np.frombuffer(self._query_embedder.embed([query])[0], dtype="<f4")
         embedded = time.perf_counter()
         ranked, _, eligible = self.index.search(vector, filters, prefilter, raw=raw)
         rank_ms = (time.perf_counter() - embedded) * 1000
