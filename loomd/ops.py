@@ -86,7 +86,7 @@ class Ops:
             "queue_depth": self.s.writer.depth, "inflight": run["inflight"],
             "embedder": run["embedder"], "versions": await self.s.store.versions(),
             "tailer": run["tailer"], "tailers": run["tailer"], "spool": run["spool"], "tasks": run["tasks"],
-            "storage": self._storage(db),
+            "storage": self._storage(db), "offload": run["offload"],
         }
 
     def _storage(self, db: Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from loomd.errors import EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
-from loomd.offload import Offload
+from loomd.offload import ChildDied, Offload
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.vectors.backfill import BATCH, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
 from loomd.vectors.embed import LOCAL_NAME, ChildEmbedder, Embedder, NoEmbedder, make_embedder
@@ -122,6 +122,8 @@ class VectorService:
         try:
             self.embedder = await loop.run_in_executor(self._bulk, make_embedder, self.config, self.offload)
         except EmbedderError as exc:
+            if isinstance(exc.__cause__, ChildDied):
+                raise  # the offload process died while loading: the supervisor starts this task again
             self.state, self.error = "failed", str(exc)
             log.error("the embedder did not load, search is full-text only until it is fixed: %s", exc)
             return
@@ -155,7 +157,9 @@ class VectorService:
                 self.error = f"back-fill failed ({failures}x), retrying: {exc}"
                 log.error("vector back-fill failed, retrying: %s", exc)
                 self._busy = False
-                await self._sleep(min(60.0, 2.0**failures))
+                # Not woken by writes: while the provider is down (the offload process restarting, an endpoint
+                # away) every ingest commit would otherwise start another attempt and double the backoff.
+                await asyncio.sleep(min(60.0, 2.0**failures))
                 continue
             failures, self.error = 0, ""
             if done:
@@ -249,9 +253,11 @@ class VectorService:
             self._private_keys, self._cursor = keys, 0
         # At most a batch of them: a big write (a session's evidence) must not become one embedding call of minutes
         # that shutdown would have to wait for; the rest stay dirty for the next rounds.
+        cursor, taken = self._cursor, []
         while True:
             dirty = sorted(self._dirty)[:BATCH]
             self._dirty.difference_update(dirty)
+            taken += dirty
             scanned, self._cursor = scan(conn, self.embedder.name, dirty, self._cursor)
             batch = [s for s in scanned if self._shareable(s.project)]
             if batch or (not self._dirty and len(scanned) < BATCH):
@@ -259,7 +265,13 @@ class VectorService:
         if not batch:
             self.pending = 0
             return None
-        plan = plan_batch(conn, self.embedder, self.index, batch)
+        try:
+            plan = plan_batch(conn, self.embedder, self.index, batch)
+        except BaseException:
+            # Not embedded (the provider failed, the offload process died): the retry must find these again.
+            self._cursor = min(self._cursor, cursor)
+            self._dirty.update(taken)
+            raise
         release_memory()
         self.pending = max(0, conn.execute(
             "SELECT count(*) FROM memories WHERE id > ?", (self._cursor,)).fetchone()[0])
