@@ -39,7 +39,7 @@ from loomd.client import Client  # noqa: E402
 from loomd.store.db import connect_sync  # noqa: E402
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-TOOL_ID_RE = re.compile(r"\b(toolu_|call_)([A-Za-z0-9]+)")
+TOOL_ID_RE = re.compile(r"\b(toolu_|call_|msg_)([A-Za-z0-9]+)")
 CWD_RE = re.compile(r'"cwd":\s*"[^"]*"')
 TEXT_RE = re.compile(r'"text":\s*"')
 CLI = "import sys; from loomd.cli import main; sys.argv[0] = 'loom'; main()"

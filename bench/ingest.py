@@ -197,14 +197,17 @@ def client_worker(args: tuple[str, str, int, int, int, float]) -> dict[str, Any]
 def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str, pid: int) -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")
     jobs = [(str(home), f"{tag}{c}", per_client, size, c, 10.0) for c in range(clients)]
-    before = status(home)["counts"]["events"]
+    first = status(home)
+    before, commits_before = first["counts"]["events"], first["storage"].get("commits")
     cpu_before = daemon_cpu(home, pid)
     t0 = time.perf_counter()
     with ctx.Pool(clients) as pool:
         results = pool.map(client_worker, jobs)
     wall = time.perf_counter() - t0
     cpu_after = daemon_cpu(home, pid)
-    stored = status(home)["counts"]["events"] - before
+    last = status(home)
+    stored = last["counts"]["events"] - before
+    commits = None if commits_before is None else last["storage"]["commits"] - commits_before
     latencies = [x for r in results for x in r["latencies"]]
     errors: dict[str, int] = {}
     for r in results:
@@ -218,6 +221,7 @@ def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str, 
         # While the clients ran (the back-fill and the workers go on after: this is what the acks competed with).
         "cpu_ms_per_event": {k: round((cpu_after[k] - cpu_before[k]) * 1000 / max(1, len(latencies)), 3)
                              for k in cpu_after},
+        "events_per_commit": round(stored / commits, 2) if commits else None,  # group commit at work
     }
 
 

@@ -70,6 +70,7 @@ class EventWriter:
         self.processors: list[Processor] = []
         self.listeners: list[Listener] = []
         self.committed = 0
+        self.commits = 0  # group commits: `committed / commits` is how many events shared one
         self.parser = EventParser()
         self.losses = Losses()
         self.ignored = IgnoredProjects(store.path.parent / IGNORED_FILE)  # `loom project ignore`
@@ -178,6 +179,7 @@ class EventWriter:
                 if item.also is not None:
                     await item.also(db, item.events)
         self.committed += len(stored)
+        self.commits += 1
 
 
 def insert_events(conn: sqlite3.Connection, events: Sequence[Event], now: float) -> list[Event]:
