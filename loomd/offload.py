@@ -56,6 +56,7 @@ class Offload:
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._ids = itertools.count(1)
         self.starts = 0
         self.calls = 0
@@ -71,7 +72,9 @@ class Offload:
     def ensure_started(self) -> None:
         """Start the child unless it runs (blocking: spawning and importing take a fraction of a second)."""
         with self._lock:
-            if self._proc is not None and self._proc.is_alive():
+            # Until its reader has failed what it was running (`_conn` cleared), a dying child is still the child:
+            # its callers must hear `ChildDied`, not wait on a process that will never answer.
+            if self._proc is not None and self._conn is not None:
                 return
             ctx = multiprocessing.get_context("spawn")
             parent, child = ctx.Pipe()
@@ -87,19 +90,22 @@ class Offload:
     async def watch(self) -> None:
         """For the supervisor: start the child, then wait until it exits, which is a failure (restarted)."""
         await asyncio.to_thread(self.ensure_started)
-        proc = self._proc
-        assert proc is not None
-        # The process's sentinel becomes readable when it exits: no thread sits in join() (daemons of one process
-        # share the child; a thread per daemon would outlive it).
         loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(proc.sentinel, _settle, exited)
-        try:
-            await exited
-        finally:
-            loop.remove_reader(proc.sentinel)
-        proc.join(1)
-        raise ChildDied(f"the offload process {proc.pid} exited with {proc.exitcode}")
+        exited: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            proc = self._proc
+            alive = proc is not None and proc.is_alive() and self._conn is not None
+            if alive:
+                # The reader thread settles it when the pipe closes: several daemons (tests) may watch one child.
+                self._watchers.append((loop, exited))
+        if alive:
+            try:
+                await exited
+            finally:
+                with self._lock, contextlib.suppress(ValueError):
+                    self._watchers.remove((loop, exited))
+        pid = proc.pid if proc is not None else None
+        raise ChildDied(f"the offload process {pid} exited ({proc.exitcode if proc is not None else '?'})")
 
     def submit(self, lane: str, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -151,27 +157,18 @@ class Offload:
             if self._conn is conn:
                 self._conn = None
             lost = list(self._pending.values()) if self._proc is proc else []
+            watchers = list(self._watchers) if self._proc is proc else []
             if self._proc is proc:
                 self._pending.clear()
+        for loop, exited in watchers:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: its daemon is gone
+                loop.call_soon_threadsafe(_settle, exited)
+        proc.join(1)
         for future in lost:
             if not future.done():
                 future.set_exception(ChildDied(reason))
         with contextlib.suppress(OSError):
             conn.close()
-
-    def close(self) -> None:
-        """Stop the child (what it runs is dropped; its callers hear `ChildDied`)."""
-        with self._lock:
-            proc, conn = self._proc, self._conn
-            self._proc = self._conn = None
-        if conn is not None:
-            with contextlib.suppress(OSError, ValueError):
-                conn.send(None)
-        if proc is not None:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
 
 
 def _settle(future: asyncio.Future[None]) -> None:
@@ -196,7 +193,7 @@ def shared() -> Offload:
 
 
 def _child_main(conn: Connection) -> None:
-    """Serve calls until the parent says stop or goes away; each lane on its own thread."""
+    """Serve calls until the parent goes away (the pipe closes); each lane on its own thread."""
     with contextlib.suppress(OSError):
         os.nice(CHILD_NICE)
     send_lock = threading.Lock()
@@ -215,10 +212,7 @@ def _child_main(conn: Connection) -> None:
 
     try:
         while True:
-            message = conn.recv()
-            if message is None:
-                break
-            rid, lane, fn, args = message
+            rid, lane, fn, args = conn.recv()
             lanes.get(lane, lanes["work"]).submit(run, rid, fn, args)
     except (EOFError, OSError):
         return  # the parent is gone: nothing to answer
