@@ -32,20 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from loomd.errors import LoomdError
+from loomd.errors import ChildDied
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CHILD_NICE = 10
 LANES = ("embed", "query", "work")
-START_TIMEOUT_S = 30.0
-
-
-class ChildDied(LoomdError):
-    """The helper process exited while (or before) running a call; the supervisor starts a new one."""
-
-    code = "internal"
 
 
 class Offload:

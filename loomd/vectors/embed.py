@@ -18,8 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from loomd.errors import EmbedderError
-from loomd.offload import ChildDied, Offload
+from loomd.errors import ChildDied, EmbedderError
+from loomd.offload import Offload
 
 if TYPE_CHECKING:
     import httpx

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import aiosqlite
 import numpy as np
 
-from loomd.errors import EmbedderError, StorageError
+from loomd.errors import ChildDied, EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
-from loomd.offload import ChildDied, Offload
+from loomd.offload import Offload
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.vectors.backfill import BATCH, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
 from loomd.vectors.embed import LOCAL_NAME, ChildEmbedder, Embedder, NoEmbedder, make_embedder, release_memory
