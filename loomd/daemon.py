@@ -125,12 +125,13 @@ class Daemon:
             self.store = await Store.open(paths.db, busy_timeout_ms=self.config.busy_timeout_ms)
         except LoomdError as exc:
             raise StartupError(str(exc)) from exc
-        self.writer = EventWriter(self.store, max_pending=self.config.max_inflight)
-        self.writer.start()
-        self.writer.parser.start()
-        # The embedding model and the workers' text work run in the offload process (shared by the daemons of one
-        # process, started and restarted by the supervisor below).
+        # The embedding model, the workers' text work and the parse of huge hook payloads run in the offload process
+        # (shared by the daemons of one process, restarted by the supervisor below). Started now, before any client
+        # is served: starting it holds the interpreter lock 20-50 ms, which a client would otherwise feel.
         self.offload = offload.shared()
+        await asyncio.to_thread(self.offload.ensure_started)
+        self.writer = EventWriter(self.store, max_pending=self.config.max_inflight, offload=self.offload)
+        self.writer.start()
         self.vectors = VectorService(self.config, self.store, self.offload)
         self.memories = MemoryWriter(self.store)
         self.memories.stale.append(self.vectors.mark_dirty)

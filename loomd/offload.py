@@ -1,4 +1,5 @@
-"""One long-lived helper process for the daemon's CPU-heavy work: embedding and the workers' text processing.
+"""One long-lived helper process for the daemon's CPU-heavy work: embedding, the workers' text processing and the
+parse of huge hook payloads.
 
 The event loop's process keeps framing, redaction, SQLite writes and small reads. What costs CPU for long — the
 embedding model (tokenizer, onnxruntime, numpy) and the observer's rules and evidence passages — runs here instead,
@@ -13,7 +14,8 @@ shared by every daemon of one process (tests start many; the model loads once).
 Supervision: `watch()` (a task of the daemon's `Supervisor`) starts the child and waits for it to exit; a child
 that dies (kill -9, out of memory) fails every call in flight with `ChildDied` and the supervisor starts a fresh one
 after its backoff. Nothing is lost: callers run on what is already committed (the back-fill retries its batch, the
-observer's watermark stays where it was and the next run does the chunk again), and no event waits on the child.
+observer's watermark stays where it was and the next run does the chunk again, a huge hook payload being parsed
+gets an error reply, so the shim spools it and the replay parses it again), and no small event waits on the child.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CHILD_NICE = 10
-LANES = ("embed", "query", "work")
+LANES = ("embed", "query", "work", "parse")
 
 
 class Offload:

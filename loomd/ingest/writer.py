@@ -21,6 +21,7 @@ from loomd.ignore import IgnoredProjects
 from loomd.ingest.events import PROMPT_MARK, Event, paired_dedup
 from loomd.ingest.parser import EventParser
 from loomd.ingest.project import project_of
+from loomd.offload import Offload
 from loomd.store.db import Store, on_thread
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class Losses:
 class EventWriter:
     """Group commit: concurrent submitters share one transaction; each gets its ack only after COMMIT."""
 
-    def __init__(self, store: Store, *, max_pending: int = 256, max_batch: int = 512) -> None:
+    def __init__(self, store: Store, *, max_pending: int = 256, max_batch: int = 512,
+                 offload: Offload | None = None) -> None:
         self.store = store
         self.max_batch = max_batch
         self._queue: asyncio.Queue[Batch] = asyncio.Queue(max_pending)
@@ -71,7 +73,7 @@ class EventWriter:
         self.listeners: list[Listener] = []
         self.committed = 0
         self.commits = 0  # group commits: `committed / commits` is how many events shared one
-        self.parser = EventParser()
+        self.parser = EventParser(offload)
         self.losses = Losses()
         self.ignored = IgnoredProjects(store.path.parent / IGNORED_FILE)  # `loom project ignore`
 
@@ -89,7 +91,6 @@ class EventWriter:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.to_thread(self.parser.close)
 
     async def submit(self, events: list[Event], also: Processor | None = None) -> list[Event]:
         """Resolve projects, queue, and wait for the commit. A full queue answers Busy at once.
