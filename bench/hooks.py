@@ -11,13 +11,19 @@ UserPromptSubmit runs a real recall), next to same-run baselines spawned the sam
 so machine noise lands on all alike. A third side acks every request at once (`instant_daemon`): above the
 floor there is only the shim's own cost. Prints one JSON object on stdout, nothing else.
 
+`--background-import N` (issue #17) measures the daemon-up side while `loom import` brings an N-event synthetic
+history (bench/import.py's) into the same daemon, embedder and workers on: every hook then competes with the
+import, the back-fill and the workers. The report says whether the import ran through the whole measurement and
+how many hooks the shim spooled (a UserPromptSubmit spooled missed its context deadline).
+
     python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
-                          [--gap-ms MS] [--daemon-config KEY=VALUE ...]
+                          [--gap-ms MS] [--daemon-config KEY=VALUE ...] [--background-import N]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -33,6 +39,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "transcripts"
 PROJECT = "/x/proj"
 
@@ -304,6 +311,28 @@ def stop_daemon(proc: subprocess.Popen[bytes]) -> int | None:
     return proc.returncode
 
 
+class BackgroundImport:
+    """`loom import --yes` of a synthetic history (bench/import.py's), started now, in the background."""
+
+    def __init__(self, root: Path, home: Path, events: int) -> None:
+        history = importlib.import_module("import")  # bench/import.py: a keyword as a module name
+        self.started = time.monotonic()
+        self.history = history.make_history(root, events, max(1, events // 400), 10)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") and k != "CLAUDECODE"}
+        env.update(LOOMD_HOME=str(home), CLAUDE_CONFIG_DIR=str(root / "claude"), CODEX_HOME=str(root / "codex"))
+        self.proc = subprocess.Popen([sys.executable, "-c", history.CLI, "import", "--yes", "--json"], cwd=REPO,
+                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def finish(self) -> dict[str, Any]:
+        """Called when the measurement ends: whether the import was still running, then its result."""
+        running = self.proc.poll() is None
+        out, err = self.proc.communicate(timeout=3600)
+        result = json.loads(out) if self.proc.returncode == 0 and out.strip() else {"error": err[-500:]}
+        return {"history": self.history, "ran_through_measurement": running, "stored": result.get("stored"),
+                "seconds": round(time.monotonic() - self.started, 1)}
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count()}
     try:
@@ -331,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="pause before each spawn, as the agent's own time between hooks (default 0: back to back)")
     parser.add_argument("--daemon-config", action="append", default=[], metavar="KEY=VALUE",
                         help="a TOML line for the daemon's config file, e.g. prompt_semantic_inline=true (repeatable)")
+    parser.add_argument("--background-import", type=int, default=0, metavar="N",
+                        help="run `loom import` of an N-event synthetic history while the daemon-up side is measured")
     opts = parser.parse_args(argv)
     runs = opts.runs or (30 if opts.quick else 200)
     python = str(Path(opts.python).absolute())  # never resolve symlinks: a venv's python must stay the venv's
@@ -400,8 +431,13 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     call(up_home, "store", text="Use uv for every dependency change, never pip", kind="constraint",
                          cwd=PROJECT)
+                    background = (BackgroundImport(root / "history", up_home, opts.background_import)
+                                  if opts.background_import else None)
                     up = measure(variants, runs, opts.gap_ms)
-                    report["up"] = {"baselines": {k: up[k] for k in baselines(python, first)},
+                    if background is not None:
+                        report["up"] = {"background_import": background.finish()}
+                    report["up"] = {**report.get("up", {}),
+                                    "baselines": {k: up[k] for k in baselines(python, first)},
                                     "events": with_deltas(up, events), "daemon_ready_s": round(ready_s, 3)}
                     if not opts.skip_plain:
                         plain_events = [e for e in events if e != "notify"]
@@ -410,7 +446,10 @@ def main(argv: list[str] | None = None) -> int:
                     report["up"]["daemon_counts"] = status.get("counts")
                     report["up"]["spool_backlog"] = status.get("spool_backlog")
                     log = up_home / "hook.log"
-                    report["up"]["hook_log_lines"] = len(log.read_text().splitlines()) if log.exists() else 0
+                    lines = log.read_text().splitlines() if log.exists() else []
+                    report["up"]["hook_log_lines"] = len(lines)
+                    report["up"]["spooled"] = {event: sum(f"event={event} " in line and " spooled: " in line
+                                                          for line in lines) for event in events}
                 finally:
                     report["up"]["daemon_exit"] = stop_daemon(proc)
     finally:

@@ -7,7 +7,12 @@ per event on a bare SQLite file, WAL, synchronous=FULL, as the daemon configures
 `ping` round trip on a fresh connection). Then the daemon is stopped, the shim's `spool()` writes N spool files,
 the daemon is started again and the replay rate is timed. Prints one JSON object on stdout.
 
-    python bench/ingest.py [--quick] [--events N] [--size BYTES] [--spool N] [--embedder none|local]
+Per run it also reports the daemon's CPU per event (its own process and the offload process, from /proc: a
+measure that machine noise moves less than the wall clock), 8 concurrent clients sending only `ping` on a fresh
+connection each (what the connection handling alone allows), and the issue #17 acceptance checks. `--repo` runs
+the daemon from another checkout (the same bench, the code before a change: run both back to back).
+
+    python bench/ingest.py [--quick] [--events N] [--size BYTES] [--spool N] [--embedder none|local] [--repo DIR]
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def start_daemon(home: Path, env: dict[str, str], timeout: float = 60.0) -> tupl
     t0 = time.monotonic()
     log = open(home / "daemon.log", "ab")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen([sys.executable, "-m", "loomd", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=REPO)
+                            cwd=env.get("PYTHONPATH") or REPO)
     log.close()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
@@ -117,6 +122,54 @@ def status(home: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- clients
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU a live process has used (Linux /proc), 0 when it cannot be read."""
+    if not pid:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def daemon_cpu(home: Path, pid: int) -> dict[str, float]:
+    """CPU seconds so far of the daemon and of its offload process (absent before issue #17: 0)."""
+    child = (status(home).get("offload") or {}).get("pid")
+    return {"daemon": cpu_seconds(pid), "offload": cpu_seconds(child)}
+
+
+def ping_worker(args: tuple[str, int]) -> list[float]:
+    """One client process: `n` pings, each on a fresh connection: the connection handling alone."""
+    import msgpack
+
+    home, n = args
+    frame = msgpack.packb({"v": 1, "id": 1, "op": "ping"})
+    frame = len(frame).to_bytes(4, "big") + frame
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(os.path.join(home, "loomd.sock"))
+            s.sendall(frame)
+            size = int.from_bytes(s.recv(4), "big")
+            got = b""
+            while len(got) < size:
+                got += s.recv(size - len(got))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def concurrent_pings(home: Path, clients: int, per_client: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with multiprocessing.get_context("fork").Pool(clients) as pool:
+        results = pool.map(ping_worker, [(str(home), per_client)] * clients)
+    wall = time.perf_counter() - t0
+    times = [x for r in results for x in r]
+    return {"clients": clients, "pings_per_s": round(len(times) / wall, 1),
+            "ping_ms": {"p50": ms(pct(times, 0.5)), "p99": ms(pct(times, 0.99))}}
+
+
 def client_worker(args: tuple[str, str, int, int, int, float]) -> dict[str, Any]:
     """One client process: `n` events one after another, each on its own connection, exactly like the shim."""
     home, tag, n, size, _seed, deadline_s = args
@@ -141,15 +194,20 @@ def client_worker(args: tuple[str, str, int, int, int, float]) -> dict[str, Any]
     return {"latencies": latencies, "errors": errors, "elapsed": time.perf_counter() - t_start}
 
 
-def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str) -> dict[str, Any]:
+def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str, pid: int) -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")
     jobs = [(str(home), f"{tag}{c}", per_client, size, c, 10.0) for c in range(clients)]
-    before = status(home)["counts"]["events"]
+    first = status(home)
+    before, commits_before = first["counts"]["events"], first["storage"].get("commits")
+    cpu_before = daemon_cpu(home, pid)
     t0 = time.perf_counter()
     with ctx.Pool(clients) as pool:
         results = pool.map(client_worker, jobs)
     wall = time.perf_counter() - t0
-    stored = status(home)["counts"]["events"] - before
+    cpu_after = daemon_cpu(home, pid)
+    last = status(home)
+    stored = last["counts"]["events"] - before
+    commits = None if commits_before is None else last["storage"]["commits"] - commits_before
     latencies = [x for r in results for x in r["latencies"]]
     errors: dict[str, int] = {}
     for r in results:
@@ -160,6 +218,10 @@ def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str) 
         "errors": errors, "wall_s": round(wall, 3), "events_per_s": round(len(latencies) / wall, 1),
         "ack_ms": {"p50": ms(pct(latencies, 0.5)), "p90": ms(pct(latencies, 0.9)), "p99": ms(pct(latencies, 0.99)),
                    "max": ms(max(latencies) if latencies else float("nan"))},
+        # While the clients ran (the back-fill and the workers go on after: this is what the acks competed with).
+        "cpu_ms_per_event": {k: round((cpu_after[k] - cpu_before[k]) * 1000 / max(1, len(latencies)), 3)
+                             for k in cpu_after},
+        "events_per_commit": round(stored / commits, 2) if commits else None,  # group commit at work
     }
 
 
@@ -256,20 +318,44 @@ def bench_config(root: Path, name: str, extra: dict[str, str], opts: argparse.Na
     home.mkdir(mode=0o700)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") and k != "CLAUDECODE"}
     env.update({"LOOMD_HOME": str(home), "LOOMD_EMBEDDER": opts.embedder, "LOOMD_CODEX_HOME": str(root / "codex"),
-                **extra})
+                "PYTHONPATH": str(opts.repo), **extra})
     out: dict[str, Any] = {"env": {k: v for k, v in env.items() if k.startswith("LOOMD_") and k != "LOOMD_HOME"}}
     proc, ready_s = start_daemon(home, env)
     try:
         out["daemon_ready_s"] = round(ready_s, 3)
         out["versions"] = status(home)["versions"]
         out["ping"] = ping_floor(home, 300 if opts.quick else 1000)["ping_ms"]
-        out["clients_1"] = run_clients(home, 1, events // 4 if opts.quick else events // 2, opts.size, "one")
-        out["clients_8"] = run_clients(home, 8, events // 8, opts.size, "eight")
+        out["pings_8"] = concurrent_pings(home, 8, 100 if opts.quick else 500)
+        out["clients_1"] = run_clients(home, 1, events // 4 if opts.quick else events // 2, opts.size, "one",
+                                       proc.pid)
+        out["clients_8"] = run_clients(home, 8, events // 8, opts.size, "eight", proc.pid)
     finally:
         out["daemon_exit"] = stop_daemon(proc)
     replay_home = root / f"{name}-replay"
     replay_home.mkdir(mode=0o700)
     out["spool_replay"] = spool_replay(replay_home, {**env, "LOOMD_HOME": str(replay_home)}, spool_n, opts.size)
+    return out
+
+
+# Issue #17: the full daemon, 8 clients; and one client's ack p99 next to the ingest-only daemon's, same run.
+TARGET_EVENTS_PER_S, TARGET_ACK_P99_MS, TARGET_P99_RATIO = 2000.0, 10.0, 2.0
+
+
+def acceptance(report: dict[str, Any]) -> dict[str, Any]:
+    full, bare = report.get("full_daemon"), report.get("ingest_only")
+    if not full:
+        return {}
+    eight = full["clients_8"]
+    out: dict[str, Any] = {
+        "full_8_clients_events_per_s": [eight["events_per_s"], TARGET_EVENTS_PER_S,
+                                        eight["events_per_s"] >= TARGET_EVENTS_PER_S],
+        "full_8_clients_ack_p99_ms": [eight["ack_ms"]["p99"], TARGET_ACK_P99_MS,
+                                      eight["ack_ms"]["p99"] <= TARGET_ACK_P99_MS],
+    }
+    if bare:
+        ratio = full["clients_1"]["ack_ms"]["p99"] / max(bare["clients_1"]["ack_ms"]["p99"], 1e-9)
+        out["full_vs_ingest_only_1_client_ack_p99_ratio"] = [round(ratio, 2), TARGET_P99_RATIO,
+                                                             ratio <= TARGET_P99_RATIO]
     return out
 
 
@@ -281,11 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spool", type=int, default=None, help="spool files to replay")
     parser.add_argument("--embedder", default="local", help="LOOMD_EMBEDDER of the full_daemon config")
     parser.add_argument("--config", choices=sorted(CONFIGS), action="append", help="run only these configs")
+    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose daemon runs (default: this one)")
     opts = parser.parse_args(argv)
     events = opts.events or (800 if opts.quick else 8000)
     spool_n = opts.spool or (500 if opts.quick else 5000)
     report: dict[str, Any] = {"bench": "ingest", "machine": machine(),
-                              "params": {"events": events, "size": opts.size, "spool": spool_n, "quick": opts.quick,
+                              "params": {"repo": str(opts.repo), "events": events, "size": opts.size, "spool": spool_n,
+                                         "quick": opts.quick,
                                          "client": "the shim's pack_args/call: a connection per event, `hook` op, "
                                                    "acknowledged after COMMIT (WAL, synchronous=FULL)"}}
     root = Path(tempfile.mkdtemp(prefix="lbi", dir="/tmp"))
@@ -310,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_replay_vs_commit_floor": round(replay["replay_events_per_s"] / floor, 2),
             }
         report["summary"] = summary
+        report["acceptance"] = acceptance(report)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["elapsed_s"] = round(time.monotonic() - started, 1)

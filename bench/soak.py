@@ -6,13 +6,19 @@ workers (`workers_run`, when the daemon has that op) run together against one `p
 private LOOMD_HOME (or `--socket` of a running daemon). The daemon's RSS, open descriptors and threads are sampled
 every second. Errors must be 0 and RSS flat after warm-up. Prints one JSON object on stdout.
 
-    python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25] [--socket PATH]
+`--fixed-size` (issue #17) holds the store's size constant by GC: raw events are purged a minute after the observer
+passed them (`event_ttl_days`), each project keeps at most 300 live memories (`project_memory_cap`), the workers
+run every 10 s; the samples then add the database's bytes and the offload process's RSS (the embedding model lives
+there), and the slopes are taken over their sum.
+
+    python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25] [--socket PATH] [--fixed-size]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -177,7 +183,13 @@ async def sampler(pid: int | None, sock: Path, stop: asyncio.Event, every: float
                 row.update(proc_sample(pid))
             status = await client.call("status")
             row.update(events=status["counts"]["events"], memories=status["counts"]["memories"],
-                       queue=status["queue_depth"], inflight=status["inflight"], spool=status["spool_backlog"])
+                       queue=status["queue_depth"], inflight=status["inflight"], spool=status["spool_backlog"],
+                       db_mb=round(status["db_bytes"] / 2**20, 2))
+            child = (status.get("offload") or {}).get("pid")
+            if pid is not None and child:
+                with contextlib.suppress(OSError, KeyError):
+                    row["offload_rss_mb"] = proc_sample(child)["rss_mb"]
+                    row["total_rss_mb"] = round(row["rss_mb"] + row["offload_rss_mb"], 1)
             series.append(row)
             try:
                 await asyncio.wait_for(stop.wait(), every)
@@ -252,6 +264,13 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str) 
                          "first_half_max": max(r["rss_mb"] for r in first_half),
                          "growth_after_warmup": round(series[-1]["rss_mb"] - steady[0]["rss_mb"], 1),
                          "slope_mb_per_min_second_half": round(slope(half, "rss_mb") * 60, 2)}
+        if all("total_rss_mb" in r for r in series):
+            out["total_rss_mb"] = {"after_warmup": steady[0]["total_rss_mb"], "end": series[-1]["total_rss_mb"],
+                                   "max": max(r["total_rss_mb"] for r in series),
+                                   "slope_mb_per_min_after_warmup": round(slope(steady, "total_rss_mb") * 60, 2)}
+        out["db_mb"] = {"after_warmup": steady[0]["db_mb"], "end": series[-1]["db_mb"],
+                        "slope_mb_per_min_after_warmup": round(slope(steady, "db_mb") * 60, 3)}
+        out["events_held"] = {"after_warmup": steady[0]["events"], "end": series[-1]["events"]}
         out["fds"] = {"start": series[0]["fds"], "after_warmup": steady[0]["fds"], "end": series[-1]["fds"],
                       "max": max(r["fds"] for r in series)}
         out["threads"] = {"start": series[0]["threads"], "end": series[-1]["threads"],
@@ -273,9 +292,15 @@ def slope(rows: list[dict[str, Any]], key: str) -> float:
     return sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / var if var else 0.0
 
 
-def start_daemon(home: Path, embedder: str) -> tuple[subprocess.Popen[bytes], float]:
+# --fixed-size: what GC keeps (events a minute after they were observed, 300 live memories a project).
+FIXED_SIZE = {"LOOMD_EVENT_TTL_DAYS": str(60 / 86400), "LOOMD_PROJECT_MEMORY_CAP": "300",
+              "LOOMD_WORKER_INTERVAL_S": "10", "LOOMD_OBSERVE_IDLE_S": "20"}
+
+
+def start_daemon(home: Path, embedder: str, extra: dict[str, str] | None = None
+                 ) -> tuple[subprocess.Popen[bytes], float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") and k != "CLAUDECODE"}
-    env.update(LOOMD_HOME=str(home), LOOMD_EMBEDDER=embedder, LOOMD_CODEX_HOME=str(home / "codex"))
+    env.update(LOOMD_HOME=str(home), LOOMD_EMBEDDER=embedder, LOOMD_CODEX_HOME=str(home / "codex"), **(extra or {}))
     t0 = time.monotonic()
     with open(home / "daemon.log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "loomd", "serve"], env=env, stdout=log,
@@ -302,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, default=None, help="soak a running daemon instead of a fresh one")
     parser.add_argument("--embedder", default="local", help="LOOMD_EMBEDDER for the fresh daemon")
     parser.add_argument("--no-series", action="store_true", help="leave the per-second samples out of the JSON")
+    parser.add_argument("--fixed-size", action="store_true", help="GC holds the store's size constant (see above)")
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.seconds = 30.0
@@ -310,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                     "loadavg_start": [round(x, 2) for x in os.getloadavg()]},
         "params": {"seconds": opts.seconds, "agents": opts.agents, "rate_per_agent": opts.rate,
-                   "embedder": opts.embedder, "socket": str(opts.socket) if opts.socket else "fresh daemon"},
+                   "embedder": opts.embedder, "socket": str(opts.socket) if opts.socket else "fresh daemon",
+                   "fixed_size": FIXED_SIZE if opts.fixed_size else None},
     }
     root = Path(tempfile.mkdtemp(prefix="lsk", dir="/tmp"))
     proc = None
@@ -318,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.socket is None:
             home = root / "h"
             home.mkdir(mode=0o700)
-            proc, ready = start_daemon(home, opts.embedder)
+            proc, ready = start_daemon(home, opts.embedder, FIXED_SIZE if opts.fixed_size else None)
             report["daemon_ready_s"] = round(ready, 3)
             sock, pid = home / "loomd.sock", proc.pid
         else:

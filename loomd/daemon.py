@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loomd import __version__
+from loomd import __version__, offload
 from loomd.config import Config, load_config
 from loomd.context.planner import Planner
 from loomd.errors import LoomdError
@@ -125,10 +125,14 @@ class Daemon:
             self.store = await Store.open(paths.db, busy_timeout_ms=self.config.busy_timeout_ms)
         except LoomdError as exc:
             raise StartupError(str(exc)) from exc
-        self.writer = EventWriter(self.store, max_pending=self.config.max_inflight)
+        # The embedding model, the workers' text work and the parse of huge hook payloads run in the offload process
+        # (shared by the daemons of one process, restarted by the supervisor below). Started now, before any client
+        # is served: starting it holds the interpreter lock 20-50 ms, which a client would otherwise feel.
+        self.offload = offload.shared()
+        await asyncio.to_thread(self.offload.ensure_started)
+        self.writer = EventWriter(self.store, max_pending=self.config.max_inflight, offload=self.offload)
         self.writer.start()
-        self.writer.parser.start()
-        self.vectors = VectorService(self.config, self.store)
+        self.vectors = VectorService(self.config, self.store, self.offload)
         self.memories = MemoryWriter(self.store)
         self.memories.stale.append(self.vectors.mark_dirty)
         self.memories.committed.append(self.vectors.wake)
@@ -140,7 +144,7 @@ class Daemon:
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
         # Before the socket opens: nothing may await between serving the first request and the signal handlers.
-        self.scheduler = Scheduler(self.store, lambda: self.config, self.memories)
+        self.scheduler = Scheduler(self.store, lambda: self.config, self.memories, self.offload)
         self.writer.listeners.append(self.scheduler.listener)
         await self.scheduler.start()
         # Replay groups share a commit; a quarter of the writer's queue leaves room for live hooks.
@@ -168,6 +172,7 @@ class Daemon:
             await self.server.start(path=str(self.socket_path))
             self._owns_socket = True
         spool, tailer = self.spool, self.tailer
+        self.supervisor.start("offload", self.offload.watch)
         self.supervisor.start("spool", lambda: spool.watch(self.should_exit))
         self.supervisor.start("embeddings", lambda: self.vectors.run(self.should_exit))
         self.supervisor.start("tailer", lambda: tailer.run(self.should_exit))
@@ -294,7 +299,7 @@ class Daemon:
             "spool_backlog": self.spool.backlog() if self.spool else 0,
             "spool": self.spool.status() if self.spool else None, "tasks": self.supervisor.status(),
             "inflight": len(self.server.inflight) if self.server else 0,
-            "embedder": self.vectors.status(), "tailer": tailer,
+            "embedder": self.vectors.status(), "tailer": tailer, "offload": self.offload.status(),
         }
 
 

@@ -51,3 +51,9 @@ class TaskError(LoomdError):
 
 class DaemonNotRunning(LoomdError):
     code = "not_running"
+
+
+class ChildDied(LoomdError):
+    """The offload process exited while (or before) running a call; the supervisor starts a new one."""
+
+    code = "internal"

@@ -92,7 +92,7 @@ class Ops:
             "queue_depth": self.s.writer.depth, "inflight": run["inflight"],
             "embedder": run["embedder"], "versions": await self.s.store.versions(),
             "tailer": run["tailer"], "tailers": run["tailer"], "spool": run["spool"], "tasks": run["tasks"],
-            "storage": self._storage(db),
+            "storage": self._storage(db), "offload": run["offload"],
         }
 
     def _storage(self, db: Path) -> dict[str, Any]:
@@ -103,7 +103,8 @@ class Ops:
         except OSError:
             free = None
         return {"commit_failed": losses.failed, "busy_refused": losses.busy, "recent_errors": list(losses.recent),
-                "free_bytes": free, "parsed_in_child": self.s.writer.parser.in_process}
+                "free_bytes": free, "parsed_in_child": self.s.writer.parser.in_process,
+                "commits": self.s.writer.commits, "events_committed": self.s.writer.committed}
 
     async def _counts(self) -> dict[str, int]:
         row = await self.s.store.fetchone(

@@ -4,21 +4,19 @@ A small hook payload is parsed on the loop (a thread hop would cost more than th
 thread: cleaning and redaction are Python, and the interpreter hands the GIL back to the loop every switch interval
 (`daemon.GIL_SWITCH_INTERVAL_S`). But `json.loads` is one C call that keeps the GIL until the whole document is
 built (about 70 ms for 200k keys), so a payload that may hold more than THREAD_NODES values is parsed in a child
-process, which sends back only the event as cut to `events.MAX_NODES` values: the loop never waits on the big parse.
+process (the daemon's offload process, `loomd.offload`, on a lane of its own), which sends back only the event as cut
+to `events.MAX_NODES` values: the loop never waits on the big parse.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import multiprocessing
-import os
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from loomd.errors import BadRequest
+from loomd.errors import BadRequest, ChildDied
 from loomd.ingest.events import INGEST_ARGS, MAX_BATCH, Event, parse_hook, parse_normalised, sent_at
+from loomd.offload import Offload
 from loomd.protocol import take_args
 
 log = logging.getLogger(__name__)
@@ -26,7 +24,6 @@ log = logging.getLogger(__name__)
 INLINE_BYTES = 4096  # parsed where it arrives: a few hundred values at most
 # Values a hook payload may hold before its JSON parse leaves the process: json.loads of this many takes ~1 ms.
 THREAD_NODES = 20_000
-CHILD_NICE = 10
 
 
 def value_bound(raw: bytes | str) -> int:
@@ -40,10 +37,10 @@ def value_bound(raw: bytes | str) -> int:
 
 
 class EventParser:
-    """Turns hook bytes and `ingest` arguments into Events off the loop; owns the child process for big payloads."""
+    """Turns hook bytes and `ingest` arguments into Events off the loop; big payloads go to the offload process."""
 
-    def __init__(self) -> None:
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+    def __init__(self, offload: Offload | None = None) -> None:
+        self.offload = offload  # None: every payload is parsed in this process (a thread at most)
         self.in_process = 0  # payloads parsed in the child, for status
 
     async def hook(self, agent: str, event_name: str, raw: bytes | str, eid: str | None, *, max_chars: int,
@@ -51,10 +48,17 @@ class EventParser:
         """`events.parse_hook`, on the loop, a thread or the child process depending on the payload's size."""
         if len(raw) <= INLINE_BYTES:
             return parse_hook(agent, event_name, raw, eid, max_chars=max_chars, now=now)
-        parsed = await asyncio.to_thread(_parse_unless_big, agent, event_name, raw, eid, max_chars, now)
+        parsed = await asyncio.to_thread(_parse_unless_big, agent, event_name, raw, eid, max_chars, now,
+                                         self.offload is not None)
         if parsed is not None:
             return parsed
-        return await self._in_child(agent, event_name, raw, eid, max_chars, now)
+        assert self.offload is not None
+        self.in_process += 1
+        try:
+            return await self.offload.call("parse", parse_child, agent, event_name, raw, eid, max_chars, now)
+        except ChildDied:
+            log.error("the offload process died on a %d-byte hook payload", len(raw))
+            raise BadRequest(f"the {len(raw)}-byte hook payload could not be parsed: the parser process died") from None
 
     async def events_from_args(self, args: dict[str, Any], *, max_chars: int) -> list[Event]:
         """The `ingest` op's arguments (also what the spool holds): raw hook bytes plus agent and event name, one
@@ -74,39 +78,17 @@ class EventParser:
             raise BadRequest("ingest needs 'raw' (hook bytes), 'item' (one event) or 'events' (a list)")
         return events
 
-    def start(self) -> None:
-        """Start the child now, before any client is served: starting it holds the interpreter lock 20-50 ms
-        (measured; a thread does not help), which a client would otherwise feel on the first big payload."""
-        self._child().submit(int)
 
-    def _child(self) -> concurrent.futures.ProcessPoolExecutor:
-        if self._pool is None:
-            # spawn, not fork: the daemon has threads (SQLite, embeddings) a forked child would inherit mid-lock.
-            # Niced: on a busy machine the child's parse must not take the CPU the event loop needs.
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(CHILD_NICE,))
-        return self._pool
-
-    async def _in_child(self, agent: str, event_name: str, raw: bytes | str, eid: str | None, max_chars: int,
-                        now: float | None) -> Event:
-        self.in_process += 1
-        try:
-            return await asyncio.wrap_future(self._child().submit(
-                parse_hook, agent, event_name, raw, eid, max_chars=max_chars, now=now))
-        except BrokenProcessPool:
-            self._pool = None  # a fresh child for the next payload
-            log.error("the payload parser process died on a %d-byte hook payload", len(raw))
-            raise BadRequest(f"the {len(raw)}-byte hook payload could not be parsed: the parser process died") from None
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+def parse_child(agent: str, event_name: str, raw: bytes | str, eid: str | None, max_chars: int,
+                now: float | None) -> Event:
+    """In the offload process: `parse_hook` with its keyword arguments (a call there passes positional ones)."""
+    return parse_hook(agent, event_name, raw, eid, max_chars=max_chars, now=now)
 
 
 def _parse_unless_big(agent: str, event_name: str, raw: bytes | str, eid: str | None, max_chars: int,
-                      now: float | None) -> Event | None:
-    """In a thread: the event, or None when the payload may hold too many values to parse in this process."""
-    if value_bound(raw) > THREAD_NODES:
+                      now: float | None, child: bool) -> Event | None:
+    """In a thread: the event, or None when the payload may hold too many values to parse in this process (and a
+    child process can)."""
+    if child and value_bound(raw) > THREAD_NODES:
         return None
     return parse_hook(agent, event_name, raw, eid, max_chars=max_chars, now=now)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -19,7 +21,8 @@ from loomd.ignore import IgnoredProjects
 from loomd.ingest.events import PROMPT_MARK, Event, paired_dedup
 from loomd.ingest.parser import EventParser
 from loomd.ingest.project import project_of
-from loomd.store.db import Store
+from loomd.offload import Offload
+from loomd.store.db import Store, on_thread
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,8 @@ class Losses:
 class EventWriter:
     """Group commit: concurrent submitters share one transaction; each gets its ack only after COMMIT."""
 
-    def __init__(self, store: Store, *, max_pending: int = 256, max_batch: int = 512) -> None:
+    def __init__(self, store: Store, *, max_pending: int = 256, max_batch: int = 512,
+                 offload: Offload | None = None) -> None:
         self.store = store
         self.max_batch = max_batch
         self._queue: asyncio.Queue[Batch] = asyncio.Queue(max_pending)
@@ -68,7 +72,8 @@ class EventWriter:
         self.processors: list[Processor] = []
         self.listeners: list[Listener] = []
         self.committed = 0
-        self.parser = EventParser()
+        self.commits = 0  # group commits: `committed / commits` is how many events shared one
+        self.parser = EventParser(offload)
         self.losses = Losses()
         self.ignored = IgnoredProjects(store.path.parent / IGNORED_FILE)  # `loom project ignore`
 
@@ -86,7 +91,6 @@ class EventWriter:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.to_thread(self.parser.close)
 
     async def submit(self, events: list[Event], also: Processor | None = None) -> list[Event]:
         """Resolve projects, queue, and wait for the commit. A full queue answers Busy at once.
@@ -162,36 +166,11 @@ class EventWriter:
         return failed
 
     async def _commit(self, batch: list[Batch], derive: bool = True) -> None:
-        now = time.time()
         events = [e for item in batch for e in item.events]
         async with self.store.atomic() as db:
-            stored: list[Event] = []
-            for event in events:
-                event.stored = False
-                if event.dedup and await is_copy(db, event):
-                    continue
-                payload = json.dumps(event.payload, ensure_ascii=False)
-                cur = await db.execute(
-                    "INSERT OR IGNORE INTO events (key, agent, session_id, project, kind, source, ts, received,"
-                    " tool_name, tool_use_id, dedup, tokens, payload) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (event.key, event.agent, event.session_id, event.project, event.kind, event.source, event.ts,
-                     now, event.tool_name, event.tool_use_id, event.dedup, event.tokens, payload),
-                )
-                if cur.rowcount == 1:
-                    event.id, event.stored = cur.lastrowid, True
-                    stored.append(event)
-                await db.execute(
-                    "INSERT INTO sessions (id, agent, project, cwd, transcript_path, started, last_seen, ended)"
-                    " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET"
-                    " last_seen = max(last_seen, excluded.last_seen),"
-                    # A session first seen through a line without a cwd takes its project from the next event.
-                    " project = CASE WHEN sessions.project = 'unknown' THEN excluded.project ELSE sessions.project END,"
-                    " cwd = coalesce(sessions.cwd, excluded.cwd),"
-                    " transcript_path = coalesce(excluded.transcript_path, sessions.transcript_path),"
-                    " ended = CASE WHEN excluded.ended IS NOT NULL THEN excluded.ended ELSE sessions.ended END",
-                    (event.session_id, event.agent, event.project, event.cwd, event.transcript_path, event.ts,
-                     event.ts, event.ts if event.kind == "SessionEnd" else None),
-                )
+            # Every event's statements in one trip to the writer's thread: a trip per statement (three per event)
+            # cost more than the statements themselves, and the loop paid for each one.
+            stored = await on_thread(db, functools.partial(insert_events, events=events, now=time.time()))
             for processor in self.processors if derive else ():
                 try:
                     await processor(db, stored)
@@ -201,9 +180,43 @@ class EventWriter:
                 if item.also is not None:
                     await item.also(db, item.events)
         self.committed += len(stored)
+        self.commits += 1
 
 
-async def is_copy(db: aiosqlite.Connection, event: Event) -> bool:
+def insert_events(conn: sqlite3.Connection, events: Sequence[Event], now: float) -> list[Event]:
+    """Insert the events not stored yet and upsert their sessions (on the writer's thread, inside the caller's
+    transaction); returns those stored now, each with its id."""
+    stored: list[Event] = []
+    for event in events:
+        event.stored = False
+        if event.dedup and is_copy(conn, event):
+            continue
+        payload = json.dumps(event.payload, ensure_ascii=False)
+        cur = conn.execute(
+            "INSERT OR IGNORE INTO events (key, agent, session_id, project, kind, source, ts, received,"
+            " tool_name, tool_use_id, dedup, tokens, payload) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (event.key, event.agent, event.session_id, event.project, event.kind, event.source, event.ts,
+             now, event.tool_name, event.tool_use_id, event.dedup, event.tokens, payload),
+        )
+        if cur.rowcount == 1:
+            event.id, event.stored = cur.lastrowid, True
+            stored.append(event)
+        conn.execute(
+            "INSERT INTO sessions (id, agent, project, cwd, transcript_path, started, last_seen, ended)"
+            " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET"
+            " last_seen = max(last_seen, excluded.last_seen),"
+            # A session first seen through a line without a cwd takes its project from the next event.
+            " project = CASE WHEN sessions.project = 'unknown' THEN excluded.project ELSE sessions.project END,"
+            " cwd = coalesce(sessions.cwd, excluded.cwd),"
+            " transcript_path = coalesce(excluded.transcript_path, sessions.transcript_path),"
+            " ended = CASE WHEN excluded.ended IS NOT NULL THEN excluded.ended ELSE sessions.ended END",
+            (event.session_id, event.agent, event.project, event.cwd, event.transcript_path, event.ts,
+             event.ts, event.ts if event.kind == "SessionEnd" else None),
+        )
+    return stored
+
+
+def is_copy(conn: sqlite3.Connection, event: Event) -> bool:
     """Whether `event` is another copy of a stored one: a hook event and its transcript line (one tool call, one
     prompt) are stored once.
 
@@ -213,16 +226,15 @@ async def is_copy(db: aiosqlite.Connection, event: Event) -> bool:
     arrives first; a copy that never arrives (a lost hook) costs nothing but its pairing.
     """
     assert event.dedup is not None
-    # execute_fetchall: one trip to the writer's thread where execute, fetch and close take three.
     if not event.dedup.startswith(PROMPT_MARK):
-        return bool(await db.execute_fetchall("SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
-                                              (event.session_id, event.dedup)))
-    if await db.execute_fetchall("SELECT 1 FROM events WHERE key = ?", (event.key,)):
+        return conn.execute("SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
+                            (event.session_id, event.dedup)).fetchone() is not None
+    if conn.execute("SELECT 1 FROM events WHERE key = ?", (event.key,)).fetchone() is not None:
         return True  # this very copy again (a spool replay, a re-read line): it must not take another's pair
-    other = list(await db.execute_fetchall(
+    other = conn.execute(
         "SELECT id FROM events WHERE session_id = ? AND dedup = ? AND source != ? ORDER BY abs(ts - ?), id LIMIT 1",
-        (event.session_id, event.dedup, event.source, event.ts)))
-    if not other:
+        (event.session_id, event.dedup, event.source, event.ts)).fetchone()
+    if other is None:
         return False
-    await db.execute("UPDATE events SET dedup = ? WHERE id = ?", (paired_dedup(event.dedup), other[0][0]))
+    conn.execute("UPDATE events SET dedup = ? WHERE id = ?", (paired_dedup(event.dedup), other[0]))
     return True

@@ -8,10 +8,10 @@ import logging
 import os
 import re
 import sqlite3
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiosqlite
 
@@ -188,6 +188,17 @@ async def open_reader(path: Path, *, busy_timeout_ms: int) -> aiosqlite.Connecti
         await reader.close()
         raise
     return reader
+
+
+T = TypeVar("T")
+
+
+async def on_thread(db: aiosqlite.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """Run `fn` with the connection's sqlite3 handle on the connection's own thread, in one trip: many statements
+    (each otherwise a trip through aiosqlite's queue and a wake-up of the loop) for the price of one."""
+    conn = db._conn  # noqa: SLF001 - aiosqlite's own handle, used only on its own thread (below)
+    result: T = await db._execute(fn, conn)  # noqa: SLF001 - aiosqlite's way to queue a call on that thread
+    return result
 
 
 class Store:

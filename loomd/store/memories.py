@@ -67,13 +67,15 @@ async def insert_memory(
     meta: dict[str, Any] | None = None,
     sources: Iterable[int] = (),
     context: str = "",
+    redacted: bool = False,
 ) -> tuple[int, bool]:
     """Insert inside the caller's transaction; the same text in the same project bumps the existing row. `context`
-    fills the down-weighted `ctx` column at once (evidence: its neighbours in the step); else `derive` fills it."""
+    fills the down-weighted `ctx` column at once (evidence: its neighbours in the step); else `derive` fills it.
+    `redacted`: the caller ran `redact_text` on text and context already (the observer, in the offload process)."""
     check_kind(kind)
     if scope not in SCOPES:
         raise BadRequest(f"unknown scope '{scope}'; one of: {', '.join(SCOPES)}")
-    text = redact_text(text.strip())[:MAX_MEMORY_CHARS]
+    text = (text.strip() if redacted else redact_text(text.strip()))[:MAX_MEMORY_CHARS]
     if not text:
         raise BadRequest("memory text is empty")
     now = time.time()
@@ -86,7 +88,7 @@ async def insert_memory(
         f" WHERE NOT EXISTS ({_SAME_TEXT}) RETURNING id",
         (kind, text, project, scope, session_id, agent, float(importance), " ".join(sorted(set(tags))),
          created or now, now, expires, digest, estimate_tokens(text), origin, json.dumps(meta or {}),
-         redact_text(context), project, digest, kind)))
+         context if redacted else redact_text(context), project, digest, kind)))
     if inserted:
         memory_id, is_new = int(inserted[0][0]), True
     else:

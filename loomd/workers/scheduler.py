@@ -27,6 +27,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from loomd.config import Config
 from loomd.errors import BadRequest
 from loomd.ingest.events import Event
+from loomd.offload import Offload
 from loomd.store.db import Store
 from loomd.store.memories import MemoryWriter
 from loomd.workers.base import RunReport, RunRequest, WorkerContext
@@ -52,7 +53,8 @@ WORKERS: tuple[type[Worker], ...] = (Observer, Reflector, Dropper, Digest, GC)
 
 
 class Scheduler:
-    def __init__(self, store: Store, config: Callable[[], Config], memories: MemoryWriter) -> None:
+    def __init__(self, store: Store, config: Callable[[], Config], memories: MemoryWriter,
+                 offload: Offload | None = None) -> None:
         self.store = store
         self.config = config
         self.memories = memories
@@ -63,7 +65,7 @@ class Scheduler:
         self.aps: AsyncIOScheduler | None = None
         self.running: set[asyncio.Task[Any]] = set()
         self.stopping = False
-        self.ctx = WorkerContext(store, config, memories, self.wake)
+        self.ctx = WorkerContext(store, config, memories, self.wake, offload)
 
     @property
     def passive(self) -> bool:

@@ -1,0 +1,251 @@
+"""Issue #17: `loom import` of a large history into the full daemon (embedder and workers on).
+
+A synthetic history is made from the shared real transcripts (`$LOOMD_TEST_DATA/transcripts`: Claude Code main
+sessions and Codex rollouts) by repeating and varying them: synthetic session s takes real session s mod n and
+repeats its lines until it holds events/sessions of them, each repetition with fresh line and tool-call ids, its
+message texts marked with (s, repetition) so no two passages share a text, and its folder one of `--projects`
+projects. It is laid out as Claude Code and Codex keep it (CLAUDE_CONFIG_DIR, CODEX_HOME) and imported by the real
+CLI (`loom import --yes --json`) into a real daemon (`python -m loomd serve`).
+
+Measured: the import's rate (events stored per second of the CLI's run), the time until every event is embedded
+(the back-fill caught up) and observed (every session's observer watermark at its last event), the peak RSS of the
+daemon and of its offload process (sampled every 0.2 s), and a second import of the same history (must add 0).
+`observe_idle_s` is set to 5 s (default 600): an imported session is quiet at once, and the bench measures the
+work, not the idle wait. Prints one JSON object.
+
+    python bench/import.py [--events 200000] [--sessions 500] [--projects 25] [--max-wait-s 3600] [--repo DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from loomd.client import Client  # noqa: E402
+from loomd.store.db import connect_sync  # noqa: E402
+
+UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+TOOL_ID_RE = re.compile(r"\b(toolu_|call_|msg_)([A-Za-z0-9]+)")
+CWD_RE = re.compile(r'"cwd":\s*"[^"]*"')
+TEXT_RE = re.compile(r'"text":\s*"')
+CLI = "import sys; from loomd.cli import main; sys.argv[0] = 'loom'; main()"
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("LOOMD_TEST_DATA") or REPO.parent / "shared" / "data") / "transcripts"
+
+
+def sources(data: Path) -> list[tuple[str, str, list[str]]]:
+    """(agent, session id, lines) of every real main session: Claude's `<uuid>.jsonl`, Codex's rollouts."""
+    found: list[tuple[str, str, list[str]]] = []
+    for path in sorted(data.rglob("*.jsonl")):
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            continue
+        if UUID_RE.fullmatch(path.stem) and path.parent.name != "subagents":
+            found.append(("claude", path.stem, lines))
+        elif '"session_meta"' in lines[0]:
+            sid = json.loads(lines[0]).get("payload", {}).get("id")
+            if isinstance(sid, str) and UUID_RE.fullmatch(sid):
+                found.append(("codex", sid, lines))
+    return found
+
+
+def vary(line: str, mark: str, sid: str, real_sid: str, cwd: str) -> str:
+    """One line of a repetition: the session's own id, fresh ids for the rest, its folder, a marked first text."""
+    line = UUID_RE.sub(lambda m: sid if m[0] == real_sid else str(uuid.uuid5(uuid.NAMESPACE_OID, f"{mark}:{m[0]}")),
+                       line)
+    line = TOOL_ID_RE.sub(lambda m: f"{m[1]}{m[2]}{mark.replace(' ', '')}", line)
+    line = CWD_RE.sub(cwd, line)
+    return TEXT_RE.sub(lambda m: f"{m[0]}({mark}) ", line, count=1)
+
+
+def make_history(root: Path, events: int, sessions: int, projects: int) -> dict[str, Any]:
+    """Write the synthetic history under root/claude and root/codex; returns what was written."""
+    real = sources(data_dir())
+    if not real:
+        raise SystemExit(f"no transcripts under {data_dir()} (set LOOMD_TEST_DATA)")
+    per_session = max(1, events // sessions)
+    written = 0
+    day = root / "codex" / "sessions" / "2025" / "11" / "17"
+    day.mkdir(parents=True)
+    for s in range(sessions):
+        agent, real_sid, lines = real[s % len(real)]
+        sid = str(uuid.uuid5(uuid.NAMESPACE_OID, f"bench-import:{s}"))
+        cwd = f'"cwd":"/synthetic/proj{s % projects}"'
+        out: list[str] = []
+        rep = 0
+        while len(out) < per_session:
+            for line in lines:
+                if len(out) >= per_session:
+                    break
+                if rep and '"session_meta"' in line:
+                    continue  # one session_meta per rollout
+                out.append(vary(line, f"s{s} r{rep}", sid, real_sid, cwd))
+            rep += 1
+        if agent == "claude":
+            dest = root / "claude" / "projects" / f"-synthetic-proj{s % projects}" / f"{sid}.jsonl"
+        else:
+            dest = day / f"rollout-2025-11-17T10-00-00-{sid}.jsonl"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text("\n".join(out) + "\n")
+        written += len(out)
+    return {"sessions": sessions, "lines": written, "real_sessions": len(real), "projects": projects}
+
+
+class RssSampler(threading.Thread):
+    """Peak resident memory of the daemon and of its offload process, sampled every 0.2 s."""
+
+    def __init__(self, home: Path, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.home, self.pid = home, pid
+        self.peak = {"daemon_mb": 0.0, "offload_mb": 0.0, "sum_mb": 0.0}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        child: int | None = None
+        while not self.stop.wait(0.2):
+            if child is None or rss_mb(child) == 0.0:
+                try:
+                    with Client(self.home / "loomd.sock", timeout=5) as c:
+                        child = (c.call("status").get("offload") or {}).get("pid")
+                except Exception:  # noqa: BLE001 - busy or restarting: sample the daemon alone this time
+                    child = None
+            own, off = rss_mb(self.pid), rss_mb(child)
+            for key, value in (("daemon_mb", own), ("offload_mb", off), ("sum_mb", own + off)):
+                self.peak[key] = max(self.peak[key], round(value, 1))
+
+
+def rss_mb(pid: int | None) -> float:
+    if not pid:
+        return 0.0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return 0.0
+    return 0.0
+
+
+def start_daemon(home: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with open(home / "daemon.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "loomd", "serve"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, cwd=env["PYTHONPATH"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((home / "daemon.log").read_text()[-2000:])
+        try:
+            with Client(home / "loomd.sock", timeout=2) as c:
+                c.call("ping")
+            return proc
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError("the daemon did not come up")
+
+
+def run_import(env: dict[str, str]) -> tuple[dict[str, Any], float]:
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", CLI, "import", "--yes", "--json"], env=env, cwd=env["PYTHONPATH"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=24 * 3600, check=False)
+    took = time.monotonic() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"loom import failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout), took
+
+
+def unobserved_sessions(db: Path) -> int:
+    conn = connect_sync(db)
+    try:
+        return int(conn.execute(
+            "SELECT count(*) FROM sessions s WHERE (SELECT max(id) FROM events e WHERE e.session_id = s.id) >"
+            " coalesce((SELECT CAST(value AS INTEGER) FROM checkpoints WHERE name = 'observer:' || s.id), 0)"
+        ).fetchone()[0])
+    finally:
+        conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=200_000, help="events in the synthetic history")
+    parser.add_argument("--sessions", type=int, default=500)
+    parser.add_argument("--projects", type=int, default=25)
+    parser.add_argument("--max-wait-s", type=float, default=3600.0, help="give up waiting for embed/observe after")
+    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose daemon runs (default: this one)")
+    opts = parser.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="lbm", dir="/tmp"))
+    report: dict[str, Any] = {"bench": "import", "params": {**vars(opts), "repo": str(opts.repo)},
+                              "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    started = time.monotonic()
+    try:
+        t0 = time.monotonic()
+        report["history"] = make_history(root / "history", opts.events, opts.sessions, opts.projects)
+        report["history"]["write_s"] = round(time.monotonic() - t0, 1)
+        home = root / "home"
+        home.mkdir(mode=0o700)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") and k != "CLAUDECODE"}
+        env.update({"LOOMD_HOME": str(home), "LOOMD_EMBEDDER": "local", "LOOMD_OBSERVE_IDLE_S": "5",
+                    "PYTHONPATH": str(opts.repo), "CLAUDE_CONFIG_DIR": str(root / "history" / "claude"),
+                    "CODEX_HOME": str(root / "history" / "codex"), "LOOMD_CODEX_HOME": str(root / "no-codex")})
+        proc = start_daemon(home, env)
+        sampler = RssSampler(home, proc.pid)
+        sampler.start()
+        try:
+            first, took = run_import(env)
+            stored = int(first.get("stored", 0))
+            report["import"] = {"stored": stored, "seconds": round(took, 1),
+                                "events_per_s": round(stored / max(took, 1e-9), 1), "goal_events_per_s": 5000,
+                                "cli": {k: v for k, v in first.items() if not isinstance(v, (list, dict))}}
+            t0 = time.monotonic()
+            embedded_at = observed_at = None
+            while time.monotonic() - t0 < opts.max_wait_s and (embedded_at is None or observed_at is None):
+                with Client(home / "loomd.sock", timeout=60) as c:
+                    embedder = c.call("status")["embedder"]
+                if embedded_at is None and embedder["caught_up"] and embedder["state"] == "ready":
+                    embedded_at = time.monotonic() - t0
+                if observed_at is None and unobserved_sessions(home / "loomd.db") == 0:
+                    observed_at = time.monotonic() - t0
+                time.sleep(1.0)
+            with Client(home / "loomd.sock", timeout=60) as c:
+                status = c.call("status")
+            report["after_import"] = {
+                "embedded_s": None if embedded_at is None else round(embedded_at, 1),
+                "observed_s": None if observed_at is None else round(observed_at, 1),
+                "unobserved_sessions": unobserved_sessions(home / "loomd.db"),
+                "embedder": {k: status["embedder"].get(k) for k in ("state", "vectors", "pending", "embedded")},
+                "counts": status["counts"], "offload": status.get("offload"),
+            }
+            again, took = run_import(env)
+            report["second_import"] = {"stored": int(again.get("stored", 0)), "seconds": round(took, 1)}
+        finally:
+            sampler.stop.set()
+            sampler.join()
+            report["peak_rss"] = {**sampler.peak, "target_mb": 300}
+            proc.terminate()
+            report["daemon_exit"] = proc.wait(60)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
+    report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""One long-lived helper process for the daemon's CPU-heavy work: embedding, the workers' text processing and the
+parse of huge hook payloads.
+
+The event loop's process keeps framing, redaction, SQLite writes and small reads. What costs CPU for long — the
+embedding model (tokenizer, onnxruntime, numpy) and the observer's rules and evidence passages — runs here instead,
+in a child process at a lower CPU priority, so it never holds the loop's interpreter lock and, on a busy machine,
+yields the CPU to the loop and the agent.
+
+A call names a lane and a module-level function (sent by reference, pickled with its arguments). Each lane has one
+thread in the child, so a query's embedding never waits behind a back-fill batch and the observer's text work never
+waits behind either. The child is started with `spawn` (the daemon has threads a fork would copy mid-lock) and is
+shared by every daemon of one process (tests start many; the model loads once).
+
+Supervision: `watch()` (a task of the daemon's `Supervisor`) starts the child and waits for it to exit; a child
+that dies (kill -9, out of memory) fails every call in flight with `ChildDied` and the supervisor starts a fresh one
+after its backoff. Nothing is lost: callers run on what is already committed (the back-fill retries its batch, the
+observer's watermark stays where it was and the next run does the chunk again, a huge hook payload being parsed
+gets an error reply, so the shim spools it and the replay parses it again), and no small event waits on the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
+
+from loomd.errors import ChildDied
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CHILD_NICE = 10
+LANES = ("embed", "query", "work", "parse")
+
+
+class Offload:
+    """The parent's handle on the helper process: `call` and `call_sync` run a function there."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._ids = itertools.count(1)
+        self.starts = 0
+        self.calls = 0
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None and proc.is_alive() else None
+
+    def status(self) -> dict[str, Any]:
+        return {"pid": self.pid, "starts": self.starts, "calls": self.calls, "in_flight": len(self._pending)}
+
+    def ensure_started(self) -> None:
+        """Start the child unless it runs (blocking: spawning and importing take a fraction of a second)."""
+        with self._lock:
+            # Until its reader has failed what it was running (`_conn` cleared), a dying child is still the child:
+            # its callers must hear `ChildDied`, not wait on a process that will never answer.
+            if self._proc is not None and self._conn is not None:
+                return
+            ctx = multiprocessing.get_context("spawn")
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_child_main, args=(child,), name="loomd-offload", daemon=True)
+            proc.start()
+            child.close()
+            self._proc, self._conn = proc, parent
+            self.starts += 1
+            threading.Thread(target=self._read, args=(proc, parent), name="loomd-offload-reader",
+                             daemon=True).start()
+        log.info("offload process %d started", proc.pid)
+
+    async def watch(self) -> None:
+        """For the supervisor: start the child, then wait until it exits, which is a failure (restarted)."""
+        await asyncio.to_thread(self.ensure_started)
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            proc = self._proc
+            alive = proc is not None and proc.is_alive() and self._conn is not None
+            if alive:
+                # The reader thread settles it when the pipe closes: several daemons (tests) may watch one child.
+                self._watchers.append((loop, exited))
+        if alive:
+            try:
+                await exited
+            finally:
+                with self._lock, contextlib.suppress(ValueError):
+                    self._watchers.remove((loop, exited))
+        pid = proc.pid if proc is not None else None
+        raise ChildDied(f"the offload process {pid} exited ({proc.exitcode if proc is not None else '?'})")
+
+    def submit(self, lane: str, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            conn, proc = self._conn, self._proc
+            if conn is None or proc is None or not proc.is_alive():
+                future.set_exception(ChildDied("the offload process is not running (restarting)"))
+                return future
+            rid = next(self._ids)
+            self._pending[rid] = future
+            self.calls += 1
+            try:
+                conn.send((rid, lane, fn, args))
+            except (OSError, ValueError) as exc:
+                self._pending.pop(rid, None)
+                future.set_exception(ChildDied(f"the offload process cannot be reached: {exc}"))
+            except (TypeError, AttributeError, pickle.PicklingError) as exc:  # a bug: arguments that cannot travel
+                self._pending.pop(rid, None)
+                future.set_exception(exc)
+        return future
+
+    async def call(self, lane: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the child on `lane`, from the event loop."""
+        return await asyncio.wrap_future(self.submit(lane, fn, *args))
+
+    def call_sync(self, lane: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the child on `lane`, from a thread (blocking)."""
+        return self.submit(lane, fn, *args).result()
+
+    def _read(self, proc: multiprocessing.process.BaseProcess, conn: Connection) -> None:
+        """The reader thread of one child: resolves calls as replies come; on its death fails what is left."""
+        try:
+            while True:
+                rid, ok, value = conn.recv()
+                with self._lock:
+                    future = self._pending.pop(rid, None)
+                if future is not None and not future.done():
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(value)
+        except (EOFError, OSError) as exc:
+            reason = f"the offload process {proc.pid} died: {exc or 'connection closed'}"
+        except Exception as exc:  # noqa: BLE001 - an unreadable reply: the stream cannot be trusted any more
+            reason = f"the offload process {proc.pid} sent an unreadable reply: {exc}"
+            with contextlib.suppress(OSError, AttributeError):
+                proc.kill()
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+            lost = list(self._pending.values()) if self._proc is proc else []
+            watchers = list(self._watchers) if self._proc is proc else []
+            if self._proc is proc:
+                self._pending.clear()
+        for loop, exited in watchers:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: its daemon is gone
+                loop.call_soon_threadsafe(_settle, exited)
+        proc.join(1)
+        for future in lost:
+            if not future.done():
+                future.set_exception(ChildDied(reason))
+        with contextlib.suppress(OSError):
+            conn.close()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+_SHARED: Offload | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> Offload:
+    """The process's one helper (created, not started: the daemon's supervisor starts it)."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = Offload()
+        return _SHARED
+
+
+# --- the child ---------------------------------------------------------------------------------------------------
+
+
+def _child_main(conn: Connection) -> None:
+    """Serve calls until the parent goes away (the pipe closes); each lane on its own thread."""
+    with contextlib.suppress(OSError):
+        os.nice(CHILD_NICE)
+    send_lock = threading.Lock()
+    lanes = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane}") for lane in LANES}
+
+    def run(rid: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            reply: tuple[int, bool, Any] = (rid, True, fn(*args))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to its caller
+            reply = (rid, False, exc)
+        with send_lock:
+            try:
+                conn.send(reply)
+            except (TypeError, AttributeError, ValueError) as exc:  # an unpicklable result or exception
+                conn.send((rid, False, RuntimeError(f"{type(reply[2]).__name__} could not be sent back: {exc}")))
+
+    try:
+        while True:
+            rid, lane, fn, args = conn.recv()
+            lanes.get(lane, lanes["work"]).submit(run, rid, fn, args)
+    except (EOFError, OSError):
+        return  # the parent is gone: nothing to answer
+    finally:
+        for pool in lanes.values():
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,82 @@
+"""The offload process (loomd/offload.py): the embedding model and the observer's text work run there, not in the
+event loop's process; killed, it is restarted, and no event is lost or left unobserved."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loomd.client import Client
+from loomd.store.db import connect_sync
+from tests.conftest import DaemonProcess
+
+SESSION = "offload-session"
+
+
+def hook(client: Client, i: int, kind: str = "PostToolUse") -> dict[str, Any]:
+    body: dict[str, Any] = {"session_id": SESSION, "cwd": "/x/offload", "hook_event_name": kind}
+    if kind == "PostToolUse":
+        body.update(tool_name="Bash", tool_use_id=f"toolu_{i}", tool_input={"command": f"make step-{i}"},
+                    tool_response={"stdout": f"step {i} built the parser cache in {i}.2s", "stderr": ""})
+    return client.call("hook", agent="claude", event=kind, raw=json.dumps(body).encode())
+
+
+def rows(home: Path, sql: str, params: dict[str, Any] | tuple[Any, ...] = ()) -> list[Any]:
+    conn = connect_sync(home / "loomd.db")
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def wait_for(cond: Callable[[], Any], what: str, within: float = 60.0) -> Any:
+    deadline = time.monotonic() + within
+    while not (value := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def test_a_killed_offload_process_is_restarted_and_no_event_is_lost(
+    daemon_process: Callable[..., DaemonProcess],
+) -> None:
+    daemon = daemon_process({"LOOMD_PASSIVE": "1", "LOOMD_EMBEDDER": "local"}).start()
+    with Client(daemon.sock, timeout=60) as c:
+        wait_for(lambda: c.call("status")["embedder"]["state"] == "ready", "the model to load in the child")
+        first = c.call("status")["offload"]["pid"]
+        assert daemon.proc is not None and first != daemon.proc.pid
+        for i in range(10):
+            assert hook(c, i)["stored"] == 1
+        # The observer's text work runs in the child: its first run observes the first ten events.
+        assert c.call("workers_run", name="observer", session_id=SESSION)["outcome"] == "ok"
+
+        os.kill(first, signal.SIGKILL)
+        # The loop does not wait on the child: events are acknowledged while it is dead or restarting.
+        for i in range(10, 20):
+            assert hook(c, i)["stored"] == 1
+        assert hook(c, 20, "SessionEnd")["stored"] == 1
+        status = wait_for(lambda: (s := c.call("status"))["offload"]["pid"] not in (None, first) and s,
+                          "a new offload process")
+        assert status["offload"]["starts"] >= 2
+        assert status["tasks"]["offload"]["failures"] >= 1  # the supervisor saw it die and restarted it
+        assert status["counts"]["events"] == 21
+
+        # Nothing the dead child was doing is lost: the observer reaches the last event (the events after the kill
+        # have evidence passages), the back-fill embeds every memory.
+        wait_for(lambda: c.call("workers_run", name="observer", session_id=SESSION)["outcome"] == "ok",
+                 "an observer run on the new child")
+        last, mark, cited = rows(daemon.home, "SELECT (SELECT max(id) FROM events WHERE session_id = :s),"
+                                 " (SELECT value FROM checkpoints WHERE name = 'observer:' || :s),"
+                                 " (SELECT count(DISTINCT event_id) FROM memory_sources WHERE event_id >"
+                                 "  (SELECT min(id) + 10 FROM events WHERE session_id = :s))", {"s": SESSION})[0]
+        assert int(mark) == last and cited >= 5, (last, mark, cited)
+        wait_for(lambda: (e := c.call("status")["embedder"])["caught_up"] and e["state"] == "ready",
+                 "the back-fill to catch up")
+        (memories,) = rows(daemon.home, "SELECT count(*) FROM memories")[0]
+        assert c.call("status")["embedder"]["vectors"] == memories > 0
+    assert daemon.stop() == 0
