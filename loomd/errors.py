@@ -51,3 +51,9 @@ class TaskError(LoomdError):
 
 class DaemonNotRunning(LoomdError):
     code = "not_running"
+
+
+class SharedError(LoomdError):
+    """The shared-memory server (PostgreSQL) is unreachable, refused us, or holds a schema we cannot use."""
+
+    code = "shared"

@@ -1,0 +1,106 @@
+"""`search` with `scope: "shared"`: the team's memories, queried on the server itself.
+
+Two signals computed by PostgreSQL — full text (`ts_rank_cd` over the generated tsvector, a BM25-like ranking) and
+vector KNN (pgvector's HNSW index, cosine) — fused by the same weighted RRF as local search (`search/fusion.py`).
+Row-level security decides which rows the query may see; loomd adds no team filter of its own for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+import numpy as np
+
+from loomd.config import Config
+from loomd.errors import SharedError
+from loomd.search.fusion import CANDIDATES, DEFAULT_WEIGHTS, query_terms, weighted_rrf
+from loomd.team import remote
+
+_WORD = re.compile(r"\w+")
+# The server's HNSW search breadth: recall against latency (pgvector's default is 40).
+EF_SEARCH = 100
+
+
+def tsquery(query: str) -> str:
+    """The OR of the query's terms as `to_tsquery` text; only word characters, so user text is never syntax."""
+    return " | ".join(t for t in query_terms(query) if _WORD.fullmatch(t))
+
+
+class SharedSearch:
+    """A connection of its own (a search never waits behind a sync batch), opened on first use."""
+
+    def __init__(self, config: Callable[[], Config]) -> None:
+        self.config = config
+        self._conn: asyncpg.Connection | None = None
+        self._lock = asyncio.Lock()
+
+    async def search(self, query: str, vector: np.ndarray | None, model: str | None, *, limit: int,
+                     project: str | None, include_archived: bool) -> dict[str, Any]:
+        async with self._lock:
+            try:
+                if self._conn is None or self._conn.is_closed():
+                    self._conn = await remote.connect(self.config())
+                    await remote.check_schema(self._conn)
+                    await self._conn.execute(f"SET hnsw.ef_search = {EF_SEARCH}")
+                return await _search(self._conn, query, vector, model, limit=limit, project=project,
+                                     include_archived=include_archived)
+            except remote.CONNECTION_ERRORS as exc:
+                await self.close()
+                raise SharedError(f"shared search failed: {remote.describe(exc)}") from None
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.terminate()
+
+
+async def _search(conn: asyncpg.Connection, query: str, vector: np.ndarray | None, model: str | None, *,
+                  limit: int, project: str | None, include_archived: bool) -> dict[str, Any]:
+    where, params = ["($1::text IS NULL OR project = $1 OR scope = 'user')"], [project]
+    if not include_archived:
+        where.append("archived_at IS NULL")
+    clause = " AND ".join(where)
+    timings: dict[str, float] = {}
+    rankings: dict[str, list[int]] = {}
+    rows: dict[str, asyncpg.Record] = {}
+    keys: dict[str, int] = {}
+
+    def ranked(records: list[asyncpg.Record]) -> list[int]:
+        out = []
+        for r in records:
+            gid = str(r["gid"])
+            rows.setdefault(gid, r)
+            out.append(keys.setdefault(gid, len(keys)))
+        return out
+
+    columns = "gid, project, kind, scope, text, tags, device, person, created_at, changed_at, archived_at"
+    terms = tsquery(query)
+    if terms:
+        started = time.perf_counter()
+        rankings["fts"] = ranked(await conn.fetch(
+            f"SELECT {columns} FROM loomd.memories, to_tsquery('english', $2) q WHERE tsv @@ q AND {clause}"
+            " ORDER BY ts_rank_cd(tsv, q) DESC, gid LIMIT $3", *params, terms, CANDIDATES))
+        timings["fts_ms"] = round((time.perf_counter() - started) * 1000, 3)
+    if vector is not None and model:
+        started = time.perf_counter()
+        rankings["vec"] = ranked(await conn.fetch(
+            f"SELECT {columns} FROM loomd.memories WHERE embed_model = $2 AND embedding IS NOT NULL AND {clause}"
+            " ORDER BY embedding <=> $3 LIMIT $4", *params, model, vector, CANDIDATES))
+        timings["vec_ms"] = round((time.perf_counter() - started) * 1000, 3)
+    fused = weighted_rrf(rankings, {s: DEFAULT_WEIGHTS[s] for s in rankings})[:limit]
+    by_key = {k: gid for gid, k in keys.items()}
+    results = []
+    for key, score, explain in fused:
+        r = rows[by_key[key]]
+        results.append({
+            "gid": by_key[key], "project": r["project"], "kind": r["kind"], "scope": r["scope"], "text": r["text"],
+            "tags": r["tags"].split(), "device": r["device"], "person": r["person"], "created": r["created_at"],
+            "updated": r["changed_at"], "archived_at": r["archived_at"], "score": round(score, 6),
+            "signals": {s: rank for s, (rank, _) in explain.items()}})
+    return {"results": results, "count": len(results), "project": project, "scope": "shared",
+            "signals": sorted(rankings), "timings": timings}
