@@ -40,10 +40,10 @@ from loomd.server import Server
 from loomd.store.db import Store
 from loomd.store.memories import MemoryWriter
 from loomd.supervisor import Supervisor
-from loomd.trust import UntrustedPath, make_private_dir, require_trusted
-from loomd.vectors.service import VectorService
 from loomd.team.search import SharedSearch
 from loomd.team.sync import SyncEngine
+from loomd.trust import UntrustedPath, make_private_dir, require_trusted
+from loomd.vectors.service import VectorService
 from loomd.workers.scheduler import Scheduler
 
 log = logging.getLogger("loomd")

@@ -243,7 +243,7 @@ class Ops:
         vectors = self.s.search().vectors
         embedded = await vectors.embed_query(a["query"], a["project"]) if vectors is not None else None
         vector, model = embedded if embedded is not None else (None, None)
-        return await shared.search(a["query"], vector, model, limit=a["limit"], project=a["project"],
+        return await shared.search(a["query"], vector, model, limit=a["limit"], project=a["project"], kind=a["kind"],
                                    include_archived=a["include_archived"])
 
     @takes({"remote": (bool, False)})

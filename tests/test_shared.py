@@ -23,8 +23,10 @@ from pg_server import PgServer
 from secret_corpus import SECRET_SAMPLES
 
 from loomd.client import AsyncClient, Client
+from loomd.config import load_config
 from loomd.errors import LoomdError
 from loomd.ignore import PRIVATE_FILE, write_roots
+from loomd.installer.doctor import Checkup, check_shared
 from loomd.store.db import Store, connect_sync
 from loomd.store.memories import insert_memory
 from loomd.team import schema
@@ -287,7 +289,8 @@ async def test_offline_capture_then_kill_mid_push_syncs_once_nothing_lost_nothin
     await store.close()
 
     pg.stop()
-    proc = DaemonProcess(home, machine_env(pg, home, team, frank, roles[frank], "a-box", LOOMD_SHARED_BATCH="20"))
+    env = machine_env(pg, home, team, frank, roles[frank], "a-box", LOOMD_SHARED_BATCH="20")
+    proc = DaemonProcess(home, env)
     try:
         proc.start()
         with Client(proc.sock, timeout=10) as c:
@@ -300,6 +303,8 @@ async def test_offline_capture_then_kill_mid_push_syncs_once_nothing_lost_nothin
             assert status["failures"] == 1 and "cannot connect" in status["last_error"]
             assert status["push_queue"] == seeded + offline and status["push_lag_s"] > 0
             assert roles[frank] not in str(status) and c.call("status")["shared"]["failures"] == 1
+        finding = check_shared(Checkup(load_config({**os.environ, **env})))
+        assert finding.status == "WARN" and "cannot connect" in finding.detail, finding
         pg.start()
 
         # Push, and kill -9 the daemon once some batches have committed on the server.
@@ -345,7 +350,7 @@ async def test_shared_search_queries_the_server(pg: PgServer, home: Path, monkey
         for text in ("Decision: the payment gateway uses idempotency keys on every POST",
                      "Error: flaky test_upload times out on CI when the bucket is cold",
                      "Fact: release notes are generated from conventional commit messages"):
-            await a.call("store", {"text": text, "kind": "fact", "project": PROJECT})
+            await a.call("store", {"text": text, "kind": text.split(":")[0].lower(), "project": PROJECT})
         from conftest import caught_up
         await caught_up(a.client)
         await a.sync()
@@ -357,3 +362,5 @@ async def test_shared_search_queries_the_server(pg: PgServer, home: Path, monkey
                                            "scope": "shared", "project": PROJECT})
         assert "payment gateway" in semantic["results"][0]["text"]
         assert semantic["results"][0]["signals"].get("vec") == 1
+        errors = await a.call("search", {"query": "test", "scope": "shared", "kind": ["error"], "project": PROJECT})
+        assert [r["kind"] for r in errors["results"]] == ["error"]

@@ -40,14 +40,14 @@ class SharedSearch:
         self._lock = asyncio.Lock()
 
     async def search(self, query: str, vector: np.ndarray | None, model: str | None, *, limit: int,
-                     project: str | None, include_archived: bool) -> dict[str, Any]:
+                     project: str | None, kind: str | list[str] | None, include_archived: bool) -> dict[str, Any]:
         async with self._lock:
             try:
                 if self._conn is None or self._conn.is_closed():
                     self._conn = await remote.connect(self.config())
                     await remote.check_schema(self._conn)
                     await self._conn.execute(f"SET hnsw.ef_search = {EF_SEARCH}")
-                return await _search(self._conn, query, vector, model, limit=limit, project=project,
+                return await _search(self._conn, query, vector, model, limit=limit, project=project, kind=kind,
                                      include_archived=include_archived)
             except remote.CONNECTION_ERRORS as exc:
                 await self.close()
@@ -60,8 +60,12 @@ class SharedSearch:
 
 
 async def _search(conn: asyncpg.Connection, query: str, vector: np.ndarray | None, model: str | None, *,
-                  limit: int, project: str | None, include_archived: bool) -> dict[str, Any]:
-    where, params = ["($1::text IS NULL OR project = $1 OR scope = 'user')"], [project]
+                  limit: int, project: str | None, kind: str | list[str] | None,
+                  include_archived: bool) -> dict[str, Any]:
+    kinds = [kind] if isinstance(kind, str) else kind
+    # $1 and $2 are the filters of every query; each signal's own parameters follow.
+    where = ["($1::text IS NULL OR project = $1 OR scope = 'user')", "($2::text[] IS NULL OR kind = ANY($2))"]
+    params: list[Any] = [project, kinds or None]
     if not include_archived:
         where.append("archived_at IS NULL")
     clause = " AND ".join(where)
@@ -83,14 +87,14 @@ async def _search(conn: asyncpg.Connection, query: str, vector: np.ndarray | Non
     if terms:
         started = time.perf_counter()
         rankings["fts"] = ranked(await conn.fetch(
-            f"SELECT {columns} FROM loomd.memories, to_tsquery('english', $2) q WHERE tsv @@ q AND {clause}"
-            " ORDER BY ts_rank_cd(tsv, q) DESC, gid LIMIT $3", *params, terms, CANDIDATES))
+            f"SELECT {columns} FROM loomd.memories, to_tsquery('english', $3) q WHERE tsv @@ q AND {clause}"
+            " ORDER BY ts_rank_cd(tsv, q) DESC, gid LIMIT $4", *params, terms, CANDIDATES))
         timings["fts_ms"] = round((time.perf_counter() - started) * 1000, 3)
     if vector is not None and model:
         started = time.perf_counter()
         rankings["vec"] = ranked(await conn.fetch(
-            f"SELECT {columns} FROM loomd.memories WHERE embed_model = $2 AND embedding IS NOT NULL AND {clause}"
-            " ORDER BY embedding <=> $3 LIMIT $4", *params, model, vector, CANDIDATES))
+            f"SELECT {columns} FROM loomd.memories WHERE embed_model = $3 AND embedding IS NOT NULL AND {clause}"
+            " ORDER BY embedding <=> $4 LIMIT $5", *params, model, vector, CANDIDATES))
         timings["vec_ms"] = round((time.perf_counter() - started) * 1000, 3)
     fused = weighted_rrf(rankings, {s: DEFAULT_WEIGHTS[s] for s in rankings})[:limit]
     by_key = {k: gid for gid, k in keys.items()}

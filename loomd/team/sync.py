@@ -80,7 +80,7 @@ class SyncEngine:
                 if pull:
                     out["pull"] = await self._pull(conn, who)
                     self.last_pull_at = time.time()
-            except (SharedError, *remote.CONNECTION_ERRORS) as exc:
+            except (SharedError, *remote.CONNECTION_ERRORS) as exc:  # type: ignore[misc]  # a tuple at runtime
                 await self._failed(exc)
                 raise SharedError(self.last_error or "sync failed") from None
             self.failures, self.next_try = 0, 0.0
