@@ -132,7 +132,8 @@ class Config:
     shared_team: str = ""
     shared_device: str = ""  # "" = this machine's host name
     shared_interval_s: float = 15.0
-    shared_batch: int = 500  # memories per push or pull transaction
+    # Memories per push or pull transaction: small, so a sync never holds the store's write lock for long.
+    shared_batch: int = 100
 
     paths: Paths = field(default_factory=resolve_paths, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False)

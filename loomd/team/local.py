@@ -7,6 +7,7 @@ triggers read as "not a local change", so a pull never echoes back as a push.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,11 @@ async def outgoing(db: aiosqlite.Connection, who: Identity, private: Collection[
         f" LEFT JOIN memories s ON s.id = m.superseded_by"
         f" LEFT JOIN memory_vectors v ON v.memory_id = m.id AND v.content_hash = m.content_hash"
         f" WHERE m.gid IS NOT NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?", (*params, limit)))
+    # Redaction and the vectors' copies are CPU work: off the event loop, which serves the hooks meanwhile.
+    return await asyncio.to_thread(_outgoing_rows, rows, who)
+
+
+def _outgoing_rows(rows: Sequence[Any], who: Identity) -> list[Outgoing]:
     out = []
     for r in rows:
         provenance = {"origin": r["origin"], "agent": r["agent"], "sources": r["nsources"], "hits": r["hits"]}
