@@ -896,7 +896,7 @@ def shared_status(as_json: bool) -> None:
         server = d.get("server") or {}
         return (f"server {d['dsn']} team {d['team']} as {server.get('role')} from {d['device']}\n"
                 f"push queue {d['push_queue']} (oldest {d['push_lag_s']:.1f}s); pull backlog "
-                f"{server.get('pull_backlog')}; pulled memories here {d['pulled_memories']}\n"
+                f"{server.get('pull_backlog')}; pushed {d['pushed']}, pulled {d['pulled']} since the daemon started\n"
                 f"last push {_ago(d['last_push_at'])}, last pull {_ago(d['last_pull_at'])}; "
                 f"last error: {d['last_error'] or 'none'}")
     _emit(data, as_json, human)

@@ -150,7 +150,7 @@ async def test_a_decision_reaches_the_other_machine_and_an_archive_comes_back(
         assert pushed["push"]["inserted"] == 1
 
         async def pulled() -> bool:
-            return bool((await b.call("shared_status"))["pulled_memories"])
+            return bool((await b.call("shared_status"))["pulled"])
         await wait_for(pulled, "B never pulled A's decision")
         block = await b.call("context", {"kind": "start", "project": PROJECT})
         assert decision in block["text"], block["text"]

@@ -171,7 +171,6 @@ class SyncEngine:
             return {"configured": False}
         queued, oldest = await local.backlog(self.store.reader, self.private.current())
         now = time.time()
-        pulled_rows = await self.store.scalar("SELECT count(*) FROM memories WHERE device IS NOT NULL")
         return {
             "configured": True, "dsn": redact_text(cfg.shared_dsn), "team": cfg.shared_team,
             "device": cfg.shared_device or socket.gethostname(), "connected": self._conn is not None,
@@ -179,7 +178,7 @@ class SyncEngine:
             "last_push_at": self.last_push_at, "last_pull_at": self.last_pull_at,
             "pull_age_s": round(now - self.last_pull_at, 3) if self.last_pull_at else None,
             "pushed": self.pushed, "pulled": self.pulled, "conflicts_lost": self.conflicts_lost,
-            "pulled_memories": pulled_rows, "failures": self.failures, "last_error": self.last_error,
+            "failures": self.failures, "last_error": self.last_error,
             "last_error_at": self.last_error_at,
             "retry_in_s": round(max(0.0, self.next_try - now), 1) if self.failures else None,
         }
