@@ -864,7 +864,7 @@ def shared_init(dsn: str, team: str, members: tuple[str, ...], dim: int | None) 
     config = load_config()
 
     async def run() -> tuple[list[str], list[str]]:
-        conn = await remote.connect(config, dsn)
+        conn = await remote.connect(config, dsn, vector=False)
         try:
             applied = await schema.migrate(conn, dim or config.embed_dim)
             todo = await schema.add_members(conn, team, list(members))

@@ -18,10 +18,12 @@ from typing import Any
 
 import asyncpg
 import pytest
+from click.testing import CliRunner
 from conftest import DaemonProcess, serving
 from pg_server import PgServer
 from secret_corpus import SECRET_SAMPLES
 
+from loomd.cli import main as cli_main
 from loomd.client import AsyncClient, Client
 from loomd.config import load_config
 from loomd.errors import LoomdError
@@ -38,17 +40,15 @@ PROJECT = "git:example.com/acme/widget"
 def pg() -> Iterator[PgServer]:
     """One server for the module; each test makes its own team and roles, so tests never see each other's rows."""
     server = PgServer().start()
-
-    async def init() -> None:
-        conn = await asyncpg.connect(server.dsn())
-        try:
-            await schema.migrate(conn, 384)
-            assert await schema.migrate(conn, 384) == []  # idempotent
-        finally:
-            await conn.close()
-
     try:
-        asyncio.run(init())
+        # `loom shared init` as an admin would run it, twice: the second run finds nothing to do.
+        first = CliRunner().invoke(cli_main, ["shared", "init", "--team", "founders", "--member", "root_admin",
+                                              "--dim", "384"], env={"LOOMD_SHARED_ADMIN_DSN": server.dsn()})
+        assert first.exit_code == 0 and "m001_memories" in first.output, first.output
+        assert "GRANT loomd_member TO <member>" in first.output and server.password not in first.output
+        again = CliRunner().invoke(cli_main, ["shared", "init", "--dsn", server.dsn(), "--team", "founders",
+                                              "--dim", "384"])
+        assert again.exit_code == 0 and "already up to date" in again.output, again.output
         yield server
     finally:
         server.close()
@@ -75,6 +75,17 @@ async def make_team(pg: PgServer, *names: str) -> tuple[str, dict[str, str]]:
     finally:
         await conn.close()
     return team, roles
+
+
+def test_the_dsn_comes_from_the_shared_table_and_is_never_shown_whole(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('[shared]\ndsn = "postgresql://alice:Xk9pQ2mZ7w@db.example.com/loom"\n'
+                                          'team = "acme"\n')
+    config = load_config({"LOOMD_HOME": str(tmp_path)})
+    assert (config.shared_dsn, config.shared_team) == ("postgresql://alice:Xk9pQ2mZ7w@db.example.com/loom", "acme")
+    shown = config.public()["shared_dsn"]
+    assert "Xk9pQ2mZ7w" not in str(shown) and "db.example.com" in str(shown)
+    env = {"LOOMD_HOME": str(tmp_path), "LOOMD_SHARED_DSN": "postgresql://bob@h/db"}
+    assert load_config(env).shared_dsn == "postgresql://bob@h/db"
 
 
 class Machine:

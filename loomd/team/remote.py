@@ -49,8 +49,9 @@ def read_password(cfg: Config) -> str | None:
     return lines[0].strip() if lines else None
 
 
-async def connect(cfg: Config, dsn: str | None = None) -> asyncpg.Connection:
-    """One connection (loomd's own: sync and search never share the user's other sessions) with pgvector's codec."""
+async def connect(cfg: Config, dsn: str | None = None, *, vector: bool = True) -> asyncpg.Connection:
+    """One connection (loomd's own: sync and search never share the user's other sessions) with pgvector's codec
+    (`vector`: off for `init`, which may have to create the extension first)."""
     target = dsn or cfg.shared_dsn
     if not target:
         raise SharedError("no shared server configured: set [shared] dsn in the config file or LOOMD_SHARED_DSN")
@@ -62,9 +63,11 @@ async def connect(cfg: Config, dsn: str | None = None) -> asyncpg.Connection:
         raise SharedError(f"cannot connect to the shared server {redact_text(target)}: {describe(exc)}") from None
     except ValueError as exc:  # a malformed DSN
         raise SharedError(f"the shared DSN cannot be read: {describe(exc)}") from None
+    if not vector:
+        return conn
     try:
         await register_vector(conn)
-    except CONNECTION_ERRORS as exc:
+    except (*CONNECTION_ERRORS, ValueError) as exc:  # ValueError: no `vector` type on the server
         await conn.close()
         raise SharedError(f"the shared server has no pgvector (`loom shared init` creates it): {describe(exc)}"
                           ) from None
