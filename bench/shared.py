@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import sqlite3
 import statistics
 import sys
@@ -297,6 +298,7 @@ def main() -> int:
         out["shared_search"] = asyncio.run(search_at_scale(pg, team, "a", roles["a"], args.rows, args.queries))
     finally:
         pg.close()
+        shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(out, indent=1))
     return 0
 

