@@ -292,9 +292,11 @@ def main() -> int:
                            "cpus": os.cpu_count()}
     try:
         team = "bench"
-        roles = asyncio.run(make_roles(pg, team, ["a", "b", "la", "lb"]))
+        roles = asyncio.run(make_roles(pg, team, ["a", "b"]))
         out.update(push_pull_and_hooks(pg, root, team, roles, args.push))
-        out["lag"] = lag(pg, root, team, roles, args.rate, args.seconds, args.interval)
+        # A team of their own: the lag machines must not first pull the push/pull phase's rows.
+        lag_roles = asyncio.run(make_roles(pg, "lagging", ["la", "lb"]))
+        out["lag"] = lag(pg, root, "lagging", lag_roles, args.rate, args.seconds, args.interval)
         out["shared_search"] = asyncio.run(search_at_scale(pg, team, "a", roles["a"], args.rows, args.queries))
     finally:
         pg.close()

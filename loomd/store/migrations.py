@@ -279,6 +279,8 @@ def m006_shared(db: sqlite3.Connection) -> None:
             memory_id INTEGER PRIMARY KEY REFERENCES memories(id),
             changed REAL NOT NULL
         );
+        -- Sync reads the oldest changes first, a batch at a time: an index range, not a sort of the whole queue.
+        CREATE INDEX shared_outbox_changed ON shared_outbox(changed);
         CREATE TRIGGER memories_share_ai AFTER INSERT ON memories WHEN new.gid IS NULL AND {shareable} BEGIN
             INSERT OR REPLACE INTO shared_outbox (memory_id, changed) VALUES (new.id, unixepoch('subsec'));
         END;

@@ -46,7 +46,10 @@ class SharedSearch:
                 if self._conn is None or self._conn.is_closed():
                     self._conn = await remote.connect(self.config())
                     await remote.check_schema(self._conn)
-                    await self._conn.execute(f"SET hnsw.ef_search = {EF_SEARCH}")
+                    # Custom plans: a generic plan cannot see the query's terms and scans every row instead of
+                    # the GIN index.
+                    await self._conn.execute(
+                        f"SET hnsw.ef_search = {EF_SEARCH}; SET plan_cache_mode = force_custom_plan")
                 return await _search(self._conn, query, vector, model, limit=limit, project=project, kind=kind,
                                      include_archived=include_archived)
             except remote.CONNECTION_ERRORS as exc:

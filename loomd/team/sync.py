@@ -36,7 +36,10 @@ PULL_CHECKPOINT = "shared:pull"
 NO_ROW = "00000000-0000-0000-0000-000000000000"
 BACKOFF_MAX_S = 300.0
 SYNC_ERRORS: tuple[type[BaseException], ...] = (SharedError, *remote.CONNECTION_ERRORS)
-MAX_ROUNDS = 10_000  # batches per direction per cycle: a bound, never reached by a healthy cycle
+MAX_ROUNDS = 10_000  # batches per direction of a forced cycle (push/pull --now): a bound a healthy one never meets
+# Batches per direction of a scheduled cycle: a machine catching up on a large backlog still pushes its own changes
+# every few thousand rows, instead of once the whole backlog is in.
+CYCLE_ROUNDS = 30
 
 
 class SyncEngine:
@@ -75,11 +78,12 @@ class SyncEngine:
             out: dict[str, Any] = {}
             try:
                 conn, who = await self._connection()
+                rounds = MAX_ROUNDS if force else CYCLE_ROUNDS
                 if push:
-                    out["push"] = await self._push(conn, who)
+                    out["push"] = await self._push(conn, who, rounds)
                     self.last_push_at = time.time()
                 if pull:
-                    out["pull"] = await self._pull(conn, who)
+                    out["pull"] = await self._pull(conn, who, rounds)
                     self.last_pull_at = time.time()
             except SYNC_ERRORS as exc:
                 await self._failed(exc)
@@ -114,10 +118,10 @@ class SyncEngine:
         log.warning("shared sync failed (%d in a row; next try in %.0fs): %s", self.failures, delay, self.last_error)
         await self.close()
 
-    async def _push(self, conn: asyncpg.Connection, who: Identity) -> dict[str, int]:
+    async def _push(self, conn: asyncpg.Connection, who: Identity, rounds: int) -> dict[str, int]:
         counts = {"inserted": 0, "updated": 0, "same": 0, "lost": 0}
         batch = self.config().shared_batch
-        for _ in range(MAX_ROUNDS):
+        for _ in range(rounds):
             private = self.private.current()
             async with self.store.atomic() as db:
                 await local.assign_gids(db, private, batch)
@@ -138,10 +142,10 @@ class SyncEngine:
                 break
         return counts
 
-    async def _pull(self, conn: asyncpg.Connection, who: Identity) -> dict[str, int]:
+    async def _pull(self, conn: asyncpg.Connection, who: Identity, rounds: int) -> dict[str, int]:
         counts = {"inserted": 0, "updated": 0, "skipped": 0}
         batch = self.config().shared_batch
-        for _ in range(MAX_ROUNDS):
+        for _ in range(rounds):
             mark = await self.watermark()
             got = await remote.pull(conn, who.team, who.device, mark, batch)
             if not got:
