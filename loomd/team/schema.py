@@ -113,6 +113,29 @@ def m001_memories(dim: int) -> str:
     """
 
 
+
+@migration
+def m002_full_text_function(dim: int) -> str:
+    """Full-text search for members through a function of the owner's. Under row-level security PostgreSQL will not
+    use an index for `tsvector @@ tsquery` (the operator is not leakproof), so a member's query read every row. The
+    function runs as the owner (the GIN index works) and applies the same team rule itself, keyed on the login
+    role; it returns ids and ranks only, and the rows are then read under RLS as usual."""
+    return f"""
+    CREATE FUNCTION loomd.fts(q tsquery, p_project text, p_kinds text[], p_archived boolean, p_limit int)
+    RETURNS TABLE (gid uuid, rank real)
+    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, loomd AS $$
+        SELECT m.gid, ts_rank_cd(m.tsv, q) FROM loomd.memories m
+        WHERE m.tsv @@ q
+          AND m.team IN (SELECT t.team FROM loomd.team_members t WHERE t.member = session_user)
+          AND (p_project IS NULL OR m.project = p_project OR m.scope = 'user')
+          AND (p_kinds IS NULL OR m.kind = ANY(p_kinds))
+          AND (p_archived OR m.archived_at IS NULL)
+        ORDER BY 2 DESC, 1 LIMIT p_limit
+    $$;
+    REVOKE ALL ON FUNCTION loomd.fts(tsquery, text, text[], boolean, int) FROM PUBLIC;
+    GRANT EXECUTE ON FUNCTION loomd.fts(tsquery, text, text[], boolean, int) TO {MEMBER_ROLE};
+    """
+
 def version() -> int:
     return len(MIGRATIONS)
 

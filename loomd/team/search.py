@@ -85,13 +85,16 @@ async def _search(conn: asyncpg.Connection, query: str, vector: np.ndarray | Non
             out.append(keys.setdefault(gid, len(keys)))
         return out
 
-    columns = "gid, project, kind, scope, text, tags, device, person, created_at, changed_at, archived_at"
+    columns = ("gid, project, kind, scope, text, tags, device, person, created_at, changed_at,"
+               " loomd.memories.archived_at")
     terms = tsquery(query)
     if terms:
         started = time.perf_counter()
+        # Ids and ranks from the owner's function (schema m002: an index under RLS), rows read under RLS.
         rankings["fts"] = ranked(await conn.fetch(
-            f"SELECT {columns} FROM loomd.memories, to_tsquery('english', $3) q WHERE tsv @@ q AND {clause}"
-            " ORDER BY ts_rank_cd(tsv, q) DESC, gid LIMIT $4", *params, terms, CANDIDATES))
+            f"SELECT {columns} FROM loomd.fts(to_tsquery('english', $3), $1, $2, $4, $5) f"
+            " JOIN loomd.memories USING (gid) ORDER BY f.rank DESC, gid", *params[:2], terms, include_archived,
+            CANDIDATES))
         timings["fts_ms"] = round((time.perf_counter() - started) * 1000, 3)
     if vector is not None and model:
         started = time.perf_counter()
