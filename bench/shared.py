@@ -12,7 +12,7 @@ not blur the numbers; pushed memories carry 384-d vectors written into the store
 - search: the server topped up to `--rows` memories (COPY, then the HNSW index built), `search` with
   `scope: "shared"` as the team's role (full text + HNSW KNN fused by RRF), p50/p99 over the query set.
 
-    python bench/shared.py [--quick] [--push N] [--rows 100000] [--rate 20] [--seconds 20]
+    python bench/shared.py [--quick] [--push N] [--rows 100000] [--rate 20] [--seconds 20] [--search-only]
 
 Prints one JSON object on stdout.
 """
@@ -283,6 +283,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=20.0, help="writes per second on A for the lag")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--interval", type=float, default=1.0, help="shared_interval_s of both lag machines")
+    parser.add_argument("--search-only", action="store_true", help="only the search numbers")
     args = parser.parse_args()
     if args.quick:
         args.push, args.rows, args.queries, args.seconds = 2000, 10_000, 50, 5.0
@@ -293,10 +294,11 @@ def main() -> int:
     try:
         team = "bench"
         roles = asyncio.run(make_roles(pg, team, ["a", "b"]))
-        out.update(push_pull_and_hooks(pg, root, team, roles, args.push))
-        # A team of their own: the lag machines must not first pull the push/pull phase's rows.
-        lag_roles = asyncio.run(make_roles(pg, "lagging", ["la", "lb"]))
-        out["lag"] = lag(pg, root, "lagging", lag_roles, args.rate, args.seconds, args.interval)
+        if not args.search_only:
+            out.update(push_pull_and_hooks(pg, root, team, roles, args.push))
+            # A team of their own: the lag machines must not first pull the push/pull phase's rows.
+            lag_roles = asyncio.run(make_roles(pg, "lagging", ["la", "lb"]))
+            out["lag"] = lag(pg, root, "lagging", lag_roles, args.rate, args.seconds, args.interval)
         out["shared_search"] = asyncio.run(search_at_scale(pg, team, "a", roles["a"], args.rows, args.queries))
     finally:
         pg.close()

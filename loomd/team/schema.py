@@ -123,15 +123,20 @@ def m002_full_text_function(dim: int) -> str:
     return f"""
     CREATE FUNCTION loomd.fts(q tsquery, p_project text, p_kinds text[], p_archived boolean, p_limit int)
     RETURNS TABLE (gid uuid, rank real)
-    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, loomd AS $$
-        SELECT m.gid, ts_rank_cd(m.tsv, q) FROM loomd.memories m
-        WHERE m.tsv @@ q
-          AND m.team IN (SELECT t.team FROM loomd.team_members t WHERE t.member = session_user)
-          AND (p_project IS NULL OR m.project = p_project OR m.scope = 'user')
-          AND (p_kinds IS NULL OR m.kind = ANY(p_kinds))
-          AND (p_archived OR m.archived_at IS NULL)
-        ORDER BY 2 DESC, 1 LIMIT p_limit
-    $$;
+    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, loomd AS $fn$
+    BEGIN
+        -- EXECUTE: planned with this query's terms (a cached generic plan would not know them and scan the table).
+        RETURN QUERY EXECUTE $q$
+            SELECT m.gid, ts_rank_cd(m.tsv, $1) FROM loomd.memories m
+            WHERE m.tsv @@ $1
+              AND m.team IN (SELECT t.team FROM loomd.team_members t WHERE t.member = session_user)
+              AND ($2::text IS NULL OR m.project = $2 OR m.scope = 'user')
+              AND ($3::text[] IS NULL OR m.kind = ANY($3))
+              AND ($4 OR m.archived_at IS NULL)
+            ORDER BY 2 DESC, 1 LIMIT $5
+        $q$ USING q, p_project, p_kinds, p_archived, p_limit;
+    END
+    $fn$;
     REVOKE ALL ON FUNCTION loomd.fts(tsquery, text, text[], boolean, int) FROM PUBLIC;
     GRANT EXECUTE ON FUNCTION loomd.fts(tsquery, text, text[], boolean, int) TO {MEMBER_ROLE};
     """
