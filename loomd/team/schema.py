@@ -123,7 +123,7 @@ def m002_full_text_function(dim: int) -> str:
     return f"""
     CREATE FUNCTION loomd.fts(q tsquery, p_project text, p_kinds text[], p_archived boolean, p_limit int)
     RETURNS TABLE (gid uuid, rank real)
-    LANGUAGE plpgsql STABLE SECURITY DEFINER SET search_path = pg_catalog, loomd AS $fn$
+    LANGUAGE plpgsql STABLE SECURITY DEFINER ROWS 100 SET search_path = pg_catalog, loomd AS $fn$
     BEGIN
         -- EXECUTE: planned with this query's terms (a cached generic plan would not know them and scan the table).
         RETURN QUERY EXECUTE $q$

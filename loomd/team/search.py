@@ -85,16 +85,18 @@ async def _search(conn: asyncpg.Connection, query: str, vector: np.ndarray | Non
             out.append(keys.setdefault(gid, len(keys)))
         return out
 
-    columns = ("gid, project, kind, scope, text, tags, device, person, created_at, changed_at,"
-               " loomd.memories.archived_at")
+    columns = "gid, project, kind, scope, text, tags, device, person, created_at, changed_at, archived_at"
     terms = tsquery(query)
     if terms:
         started = time.perf_counter()
-        # Ids and ranks from the owner's function (schema m002: an index under RLS), rows read under RLS.
-        rankings["fts"] = ranked(await conn.fetch(
-            f"SELECT {columns} FROM loomd.fts(to_tsquery('english', $3), $1, $2, $4, $5) f"
-            " JOIN loomd.memories USING (gid) ORDER BY f.rank DESC, gid", *params[:2], terms, include_archived,
-            CANDIDATES))
+        # Ids in rank order from the owner's function (schema m002: an index under RLS), then their rows read under
+        # RLS by primary key (a join would let the planner hash the whole table).
+        ids = [r[0] for r in await conn.fetch(
+            "SELECT gid FROM loomd.fts(to_tsquery('english', $1), $2, $3, $4, $5)", terms, *params[:2],
+            include_archived, CANDIDATES)]
+        found = {r["gid"]: r for r in await conn.fetch(
+            f"SELECT {columns} FROM loomd.memories WHERE gid = ANY($1::uuid[])", ids)}
+        rankings["fts"] = ranked([found[i] for i in ids if i in found])
         timings["fts_ms"] = round((time.perf_counter() - started) * 1000, 3)
     if vector is not None and model:
         started = time.perf_counter()
