@@ -46,7 +46,9 @@ class PgServer:
             try:
                 pwd.getpwnam(SYSTEM_USER)
             except KeyError:
-                subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", SYSTEM_USER], check=True)
+                # Another xdist worker may create it at the same moment: its existence afterwards is what counts.
+                subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", SYSTEM_USER], check=False,
+                               capture_output=True)
             entry = pwd.getpwnam(SYSTEM_USER)
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
             # That user must reach the wheel's binaries: every folder above them traversable (a clone under /root
