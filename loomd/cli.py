@@ -894,7 +894,8 @@ def shared_status(as_json: bool) -> None:
         if not d.get("configured"):
             return "shared memory is off (set [shared] dsn and team)"
         server = d.get("server") or {}
-        return (f"server {d['dsn']} team {d['team']} as {server.get('role')} from {d['device']}\n"
+        reach = f"unreachable: {server['error']}" if server.get("error") else f"as {server.get('role')}"
+        return (f"server {d['dsn']} team {d['team']} {reach} from {d['device']}\n"
                 f"push queue {d['push_queue']} (oldest {d['push_lag_s']:.1f}s); pull backlog "
                 f"{server.get('pull_backlog')}; pushed {d['pushed']}, pulled {d['pulled']} since the daemon started\n"
                 f"last push {_ago(d['last_push_at'])}, last pull {_ago(d['last_pull_at'])}; "

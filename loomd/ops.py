@@ -254,7 +254,10 @@ class Ops:
             return {"configured": False}
         status = await self.s.sync.status()
         if a["remote"] and status["configured"]:
-            status["server"] = await self.s.sync.remote_status()
+            try:
+                status["server"] = await self.s.sync.remote_status()
+            except SharedError as exc:  # the server down is what this op is asked about: said, not raised
+                status["server"] = {"error": str(exc)}
         return status
 
     @takes({"push": (bool, True), "pull": (bool, True)})

@@ -325,6 +325,9 @@ async def test_offline_capture_then_kill_mid_push_syncs_once_nothing_lost_nothin
             assert status["failures"] == 1 and "cannot connect" in status["last_error"]
             assert status["push_queue"] == seeded + offline and status["push_lag_s"] > 0
             assert roles[frank] not in str(status) and c.call("status")["shared"]["failures"] == 1
+        shown = CliRunner().invoke(cli_main, ["shared", "status"], env={"LOOMD_HOME": str(home)})
+        assert shown.exit_code == 0 and "unreachable: cannot connect" in shown.output, shown.output
+        assert f"push queue {seeded + offline}" in shown.output and roles[frank] not in shown.output
         finding = check_shared(Checkup(load_config({**os.environ, **env})))
         assert finding.status == "WARN" and "cannot connect" in finding.detail, finding
         pg.start()
