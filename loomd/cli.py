@@ -233,12 +233,15 @@ def _check_project(project: str) -> None:
 @click.option("--all", "show_all", is_flag=True, help="also the hits below the relevance floor")
 @click.option("--archived", is_flag=True, help="include archived memories")
 @click.option("--explain", is_flag=True, help="show each signal's rank and score")
+@click.option("--shared", is_flag=True, help="search the team's shared server instead of this machine's store")
 @json_option
 def search(query: str, limit: int, mode: str, kinds: tuple[str, ...], project: str | None, all_projects: bool,
-           show_all: bool, archived: bool, explain: bool, as_json: bool) -> None:
+           show_all: bool, archived: bool, explain: bool, shared: bool, as_json: bool) -> None:
     """Search memories: each hit with its score and the signal behind it, none that is not about QUERY."""
     args: dict[str, Any] = {"query": query, "limit": limit, "mode": mode, "include_archived": archived,
                             "explain": explain, "floor": not show_all}
+    if shared:
+        args["scope"] = "shared"
     if kinds:
         args["kind"] = list(kinds)
     if project:
@@ -247,6 +250,11 @@ def search(query: str, limit: int, mode: str, kinds: tuple[str, ...], project: s
     elif not all_projects:
         args["cwd"] = os.getcwd()
     data = _call("search", args)
+    if shared:
+        _emit(data, as_json, lambda d: "\n".join(
+            f"{m['gid'][:13]} {m['kind']:<11} {_day(m.get('created'))}  {_one_line(m['text'])}  "
+            f"[{m['person']}@{m['device']}]" for m in d["results"]) or "no results on the shared server")
+        return
 
     def human(d: dict[str, Any]) -> str:
         lines = []
@@ -659,7 +667,7 @@ def project(ctx: click.Context) -> None:
 @click.argument("path", default=".")
 def project_private(path: str) -> None:
     """Keep PATH's project (default: here) on this machine: remembered and used here, but none of its text goes to a
-    model or a remote embedding endpoint (the local model still embeds it)."""
+    model, a remote embedding endpoint or the team's shared server (the local model still embeds it)."""
 
     key = _call("projects", {"cwd": _project_root(path)})["here"]
     _add_line(*_private_list(), key)
@@ -906,3 +914,82 @@ def _import_one(client: Client, path: str, force: bool) -> dict[str, Any]:
                 raise
             time.sleep(wait)  # the daemon's queue is full of live events: they come first
     return dict(client.call("import_file", {"path": path, "force": force}))
+
+
+@main.group()
+def shared() -> None:
+    """Shared memory on a team's PostgreSQL server ([shared] dsn / LOOMD_SHARED_DSN)."""
+
+
+@shared.command("init")
+@click.option("--dsn", envvar="LOOMD_SHARED_ADMIN_DSN", required=True,
+              help="an admin DSN for the server you own (or LOOMD_SHARED_ADMIN_DSN); never printed")
+@click.option("--team", required=True, help="the team to create (or add members to)")
+@click.option("--member", "members", multiple=True, help="a database role of the team (created if missing)")
+@click.option("--dim", default=None, type=int, help="embedding dimension (default: this config's embed_dim)")
+def shared_init(dsn: str, team: str, members: tuple[str, ...], dim: int | None) -> None:
+    """Create (or migrate) the schema, the team and its members' roles; print the grants it needs and gave."""
+    import asyncio
+
+    from loomd.team import remote, schema
+
+    config = load_config()
+
+    async def run() -> tuple[list[str], list[str]]:
+        conn = await remote.connect(config, dsn, vector=False)
+        try:
+            applied = await schema.migrate(conn, dim or config.embed_dim)
+            todo = await schema.add_members(conn, team, list(members))
+        finally:
+            await conn.close()
+        return applied, todo
+
+    try:
+        applied, todo = asyncio.run(run())
+    except LoomdError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"schema loomd at version {schema.version()} ({', '.join(applied) or 'already up to date'}); "
+               f"team {team!r} with {', '.join(members) or 'no new members'}")
+    click.echo(schema.GRANTS_NEEDED)
+    for line in todo:
+        click.echo(line)
+    click.echo(f"-- each member's config: [shared] dsn = \"postgresql://<member>@<host>/<db>\", team = \"{team}\"")
+
+
+@shared.command("status")
+@json_option
+def shared_status(as_json: bool) -> None:
+    """Sync health: what waits to be pushed and since when, the last push and pull, the last error."""
+    data = _call("shared_status", {"remote": True})
+
+    def human(d: dict[str, Any]) -> str:
+        if not d.get("configured"):
+            return "shared memory is off (set [shared] dsn and team)"
+        server = d.get("server") or {}
+        reach = f"unreachable: {server['error']}" if server.get("error") else f"as {server.get('role')}"
+        return (f"server {d['dsn']} team {d['team']} {reach} from {d['device']}\n"
+                f"push queue {d['push_queue']} (oldest {d['push_lag_s']:.1f}s); pull backlog "
+                f"{server.get('pull_backlog')}; pushed {d['pushed']}, pulled {d['pulled']} since the daemon started\n"
+                f"last push {_ago(d['last_push_at'])}, last pull {_ago(d['last_pull_at'])}; "
+                f"last error: {d['last_error'] or 'none'}")
+    _emit(data, as_json, human)
+
+
+def _ago(ts: float | None) -> str:
+    return f"{time.time() - ts:.0f}s ago" if ts else "never"
+
+
+@shared.command("push")
+@click.option("--now", is_flag=True, help="(the default) push now, whatever the schedule and the backoff")
+@json_option
+def shared_push(now: bool, as_json: bool) -> None:
+    """Push this machine's queued changes to the shared server."""
+    _emit(_call("shared_sync", {"push": True, "pull": False}, timeout=600), as_json, json.dumps)
+
+
+@shared.command("pull")
+@click.option("--now", is_flag=True, help="(the default) pull now, whatever the schedule and the backoff")
+@json_option
+def shared_pull(now: bool, as_json: bool) -> None:
+    """Pull the team's changes from the shared server into this machine's store."""
+    _emit(_call("shared_sync", {"push": False, "pull": True}, timeout=600), as_json, json.dumps)

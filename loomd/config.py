@@ -127,6 +127,16 @@ class Config:
     # transcripts
     tail_transcripts: bool = True
     codex_home: str = ""
+    # shared memory on PostgreSQL (loomd/team/): the file's `[shared]` table (`dsn = …`) or `LOOMD_SHARED_DSN`.
+    # The DSN is never logged whole (`public()` and every message show it redacted); the password may sit in
+    # `shared_password_file` (or the usual PGPASSFILE / ~/.pgpass) instead of the DSN.
+    shared_dsn: str = ""
+    shared_password_file: str = ""
+    shared_team: str = ""
+    shared_device: str = ""  # "" = this machine's host name
+    shared_interval_s: float = 15.0
+    # Memories per push or pull transaction: small, so a sync never holds the store's write lock for long.
+    shared_batch: int = 100
 
     paths: Paths = field(default_factory=resolve_paths, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -142,6 +152,11 @@ class Config:
             value = getattr(self, f.name)
             if f.name.endswith("_key") and value:
                 value = "***"
+            elif f.name.endswith("_dsn") and value:
+                # Imported here: the redactor's ~40 ms import would weigh on every client that reads the paths.
+                from loomd.redact import redact_text
+
+                value = redact_text(value)
             out[f.name] = {"value": value, "source": self.sources.get(f.name, "default")}
         for project, settings in sorted(self.projects.items()):
             for name, value in sorted(settings.items()):
@@ -168,6 +183,8 @@ class Config:
 
 
 NOT_SETTINGS = ("paths", "sources", "projects")
+# Tables of the file read as prefixed settings: `[shared] dsn = …` is `shared_dsn`.
+SECTIONS = ("shared",)
 # What a project may set for itself in `[project."<key>"]`.
 PER_PROJECT = ("auto_capture", "gc", "extract_off", "extract_banned")
 
@@ -225,6 +242,11 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
             file_values = tomllib.loads(paths.config_file.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise BadRequest(f"config file {paths.config_file}: {exc}") from exc
+    for section in SECTIONS:
+        table = file_values.get(section, {})
+        if not isinstance(table, dict):
+            raise BadRequest(f"config file {paths.config_file}: [{section}] must be a table")
+        file_values.update({f"{section}_{name}": value for name, value in table.items()})
     for f in dataclasses.fields(Config):
         if f.name in NOT_SETTINGS:
             continue

@@ -40,6 +40,8 @@ from loomd.server import Server
 from loomd.store.db import Store
 from loomd.store.memories import MemoryWriter
 from loomd.supervisor import Supervisor
+from loomd.team.search import SharedSearch
+from loomd.team.sync import SyncEngine
 from loomd.trust import UntrustedPath, make_private_dir, require_trusted
 from loomd.vectors.service import VectorService
 from loomd.workers.scheduler import Scheduler
@@ -144,7 +146,9 @@ class Daemon:
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
         # Before the socket opens: nothing may await between serving the first request and the signal handlers.
-        self.scheduler = Scheduler(self.store, lambda: self.config, self.memories, self.offload)
+        self.sync = SyncEngine(self.store, lambda: self.config, self.memories)
+        self.shared_search = SharedSearch(lambda: self.config)
+        self.scheduler = Scheduler(self.store, lambda: self.config, self.memories, self.offload, self.sync)
         self.writer.listeners.append(self.scheduler.listener)
         await self.scheduler.start()
         # Replay groups share a commit; a quarter of the writer's queue leaves room for live hooks.
@@ -158,7 +162,7 @@ class Daemon:
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,
-            history=HistoryImporter(self.store, self.tailer)))
+            history=HistoryImporter(self.store, self.tailer), sync=self.sync, shared_search=self.shared_search))
         self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
                              max_inflight=self.config.max_inflight)
         if self.listen_sock is not None:
@@ -267,6 +271,9 @@ class Daemon:
     async def _close_resources(self) -> None:
         if self.scheduler is not None:
             await self.scheduler.stop()  # no-op after shutdown() stopped it; needed when startup failed late
+        if hasattr(self, "sync"):
+            await self.sync.close()
+            await self.shared_search.close()
         if hasattr(self, "writer"):
             await self.writer.stop()
         if hasattr(self, "vectors"):

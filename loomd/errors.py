@@ -57,3 +57,9 @@ class ChildDied(LoomdError):
     """The offload process exited while (or before) running a call; the supervisor starts a new one."""
 
     code = "internal"
+
+
+class SharedError(LoomdError):
+    """The shared-memory server (PostgreSQL) is unreachable, refused us, or holds a schema we cannot use."""
+
+    code = "shared"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 FILE_NAME = "ignored-projects"
 # Private: project keys, one per line in `<data dir>/private-projects`. Their memories are stored and used here, but
-# nothing of them leaves the machine: no model request, no remote embedding of their text or of a query in them.
+# nothing of them leaves the machine: no model request, no remote embedding of their text or of a query in them, no
+# push to the team's shared server (loomd/team/).
 PRIVATE_FILE = "private-projects"
 
 

@@ -81,6 +81,9 @@ def memory_line(m: dict[str, Any], limit: int = TEXT_LIMIT) -> str:
     if m.get("superseded_by"):
         flags += f" (superseded by #{m['superseded_by']})"
     when = _day(m.get("created") or m.get("ts"))
+    if m.get("id") is None and m.get("gid"):  # a hit on the team's server: no local id, who wrote it instead
+        return (f"shared {str(m['gid'])[:13]} [{m.get('kind', '?')}] {when} {m.get('person')}@{m.get('device')} "
+                f"{_clip(m.get('text', ''), limit)}{flags}")
     return f"#{m.get('id')} [{m.get('kind', '?')}] {when} {_clip(m.get('text', ''), limit)}{flags}"
 
 
@@ -218,9 +221,14 @@ def build_server() -> "FastMCP":
                                                 "fact, constraint, preference, observation, reflection, task")] = None,
         all_projects: Annotated[bool, Field(description="search every project, not just this one")] = False,
         include_archived: Annotated[bool, Field(description="also archived memories")] = False,
+        scope: Annotated[str, Field(description="local (default: this machine's store, which holds what was pulled "
+                                    "from the team) or shared (ask the team's shared server directly)")] = "local",
     ) -> str:
-        result = await op("search", {"query": query, "limit": limit, "kind": kind, "include_archived": include_archived,
-                                     "cwd": None if all_projects else cwd})
+        args = {"query": query, "limit": limit, "kind": kind, "include_archived": include_archived,
+                "cwd": None if all_projects else cwd}
+        if scope == "shared":
+            args["scope"] = "shared"
+        result = await op("search", args)
         return render_items(result)
 
     @tool("loom_detail", (

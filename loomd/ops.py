@@ -14,7 +14,7 @@ from typing import Any
 from loomd import __version__
 from loomd.config import Config
 from loomd.context.planner import Planner
-from loomd.errors import BadRequest, Busy
+from loomd.errors import BadRequest, Busy, SharedError
 from loomd.ingest.events import INGEST_ARGS, LATEST_TS, sent_at
 from loomd.ingest.history import HistoryImporter
 from loomd.ingest.project import project_of
@@ -29,6 +29,8 @@ from loomd.store.db import Store
 from loomd.store.memories import SCOPES, MemoryWriter, fetch_memories, insert_memory, set_archived
 from loomd.store.projects import list_projects
 from loomd.store.purge import describe, purge, select
+from loomd.team.search import SharedSearch
+from loomd.team.sync import SyncEngine
 from loomd.workers.model import BUDGET_CHECKPOINT
 from loomd.workers.scheduler import Scheduler
 
@@ -60,6 +62,8 @@ class Services:
     # requests, embedder and tailer state, and the health of each background task.
     runtime: Callable[[], dict[str, Any]]
     history: HistoryImporter  # `loom import`: the scan of existing Claude Code / Codex history, one file at a time
+    sync: SyncEngine | None = None  # shared memory on PostgreSQL (loomd/team/)
+    shared_search: SharedSearch | None = None
 
 
 class Ops:
@@ -93,6 +97,7 @@ class Ops:
             "embedder": run["embedder"], "versions": await self.s.store.versions(),
             "tailer": run["tailer"], "tailers": run["tailer"], "spool": run["spool"], "tasks": run["tasks"],
             "storage": self._storage(db), "offload": run["offload"],
+            "shared": await self.s.sync.status() if self.s.sync is not None else {"configured": False},
         }
 
     def _storage(self, db: Path) -> dict[str, Any]:
@@ -209,12 +214,15 @@ class Ops:
     })
     async def handle_search(self, a: dict[str, Any]) -> dict[str, Any]:
         """Fused search; each item says its `why` (the top signal and its raw score). `floor`: drop the hits that
-        are not about the query (search/floor.py), counted in `below_floor`."""
+        are not about the query (search/floor.py), counted in `below_floor`. `scope: "shared"` asks the team's
+        server instead of the local store (which already holds what was pulled)."""
         if not 1 <= a["limit"] <= 200:
             raise BadRequest("'limit' must be between 1 and 200")
         if a["project"] is None and a["cwd"]:
             a["project"] = await project_of(a["cwd"])
         a.pop("cwd")
+        if a["scope"] == "shared":
+            return await self._search_shared(a)
         floor, explain = a.pop("floor"), a.pop("explain")
         report: dict[str, Any] = {}
         hits = await search_hits(self.s.search(), **a, report=report)
@@ -234,6 +242,37 @@ class Ops:
         if explain or report.get("notes"):
             reply.update(report)
         return reply
+
+    async def _search_shared(self, a: dict[str, Any]) -> dict[str, Any]:
+        shared = self.s.shared_search
+        if shared is None or self.s.sync is None or not self.s.sync.configured:
+            raise SharedError("no shared server configured: set [shared] dsn in the config file or LOOMD_SHARED_DSN")
+        vectors = self.s.search().vectors
+        embedded = await vectors.embed_query(a["query"], a["project"]) if vectors is not None else None
+        vector, model = embedded if embedded is not None else (None, None)
+        return await shared.search(a["query"], vector, model, limit=a["limit"], project=a["project"], kind=a["kind"],
+                                   include_archived=a["include_archived"])
+
+    @takes({"remote": (bool, False)})
+    async def handle_shared_status(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Sync health and lag (push queue and its age, last push and pull, last error); `remote`: ask the server
+        too (our role, the rows it lets us see, the pull backlog)."""
+        if self.s.sync is None:
+            return {"configured": False}
+        status = await self.s.sync.status()
+        if a["remote"] and status["configured"]:
+            try:
+                status["server"] = await self.s.sync.remote_status()
+            except SharedError as exc:  # the server down is what this op is asked about: said, not raised
+                status["server"] = {"error": str(exc)}
+        return status
+
+    @takes({"push": (bool, True), "pull": (bool, True)})
+    async def handle_shared_sync(self, a: dict[str, Any]) -> dict[str, Any]:
+        """One sync cycle now (`loom shared push|pull --now`), whatever the backoff; waits for it."""
+        if self.s.sync is None:
+            raise SharedError("no shared server configured: set [shared] dsn in the config file or LOOMD_SHARED_DSN")
+        return await self.s.sync.run(push=a["push"], pull=a["pull"], force=True)
 
     @takes({
         "id": (int, None), "entity": (str, None), "before": (int, 5), "after": (int, 5), "limit": (int, 20),

@@ -521,8 +521,11 @@ async def test_session_end_and_token_threshold_wake_the_workers(monkeypatch, hom
     async with loomd(monkeypatch, home, passive=False, worker_interval_s=3600, observe_after_tokens=200) as (d, client):
         status = await client.call("workers")
         assert not status["passive"] and [w["name"] for w in status["workers"]] == [
-            "observer", "reflector", "dropper", "digest", "gc"]
-        assert all(w["next_run"] and w["next_run"] > time.time() + 3000 for w in status["workers"])
+            "observer", "reflector", "dropper", "digest", "gc", "sync"]
+        # sync is scheduled only with a shared server (tests/test_shared.py).
+        scheduled = {w["name"]: w["next_run"] for w in status["workers"]}
+        assert scheduled.pop("sync") is None
+        assert all(t and t > time.time() + 3000 for t in scheduled.values())
         await ingest(client, [*work_session("t1", 1_700_000_000),
                               ev("t1", "SessionEnd", {"reason": "exit"}, 1_700_000_100, source="hook")])
         assert tuple(await wait_for_job(d, "observer")) == ("ok", "event")

@@ -381,6 +381,30 @@ def check_workers(c: Checkup) -> Finding:
     return ok(name, "no failed runs in the last day")
 
 
+SHARED_LAG_WARN_S = 3_600  # a change waiting this long to be pushed: teammates do not see this machine's work
+
+
+def check_shared(c: Checkup) -> Finding:
+    """Shared memory: off, or the daemon's sync health (push lag, last pull, last error; the DSN redacted)."""
+    name = "shared memory"
+    if not c.config.shared_dsn:
+        return ok(name, "off (no [shared] dsn)")
+    s = _reported(c, name, "shared", "shared-memory sync")
+    if isinstance(s, Finding):
+        return s
+    lag = f"{s.get('push_queue')} change(s) to push, the oldest {float(s.get('push_lag_s') or 0):.0f}s old"
+    if s.get("last_error"):
+        return warn(name, f"sync with {s.get('dsn')} failing ({s.get('failures')} in a row; {lag}; retry in "
+                          f"{s.get('retry_in_s')}s): {s['last_error']}",
+                    "check the server is up and reachable, the role's password (shared_password_file or "
+                    "PGPASSFILE) and `loom shared init`; `loom shared status` shows more; nothing is lost meanwhile")
+    if float(s.get("push_lag_s") or 0) > SHARED_LAG_WARN_S:
+        return warn(name, f"sync lags: {lag}", "see `loom shared status` and the daemon log")
+    pulled = s.get("pull_age_s")
+    return ok(name, f"{s.get('dsn')} team {s.get('team')}: {lag}; last pull "
+                    f"{'never' if pulled is None else f'{pulled:.0f}s ago'}")
+
+
 # --- the service manager -----------------------------------------------------------------------------------------
 
 
@@ -643,7 +667,7 @@ def check_model_endpoint(c: Checkup) -> Finding:
 CHECKS: list[Callable[[Checkup], Finding]] = [
     check_interpreter, check_extensions, check_embedder, check_socket, check_permissions, check_service,
     check_claude_hooks, check_codex_hooks, check_spool, check_spool_temp, check_tasks, check_tailers, check_database,
-    check_storage, check_workers, check_model_endpoint,
+    check_storage, check_workers, check_shared, check_model_endpoint,
 ]
 
 

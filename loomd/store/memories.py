@@ -110,6 +110,8 @@ def memory_dict(row: Any) -> dict[str, Any]:
         "tags": row["tags"].split() if row["tags"] else [], "created": row["created"], "updated": row["updated"],
         "expires": row["expires"], "archived_at": row["archived_at"], "hits": row["hits"],
         "superseded_by": row["superseded_by"], "tokens": row["tokens"], "origin": row["origin"],
+        # Pulled from the team's shared server (loomd/team/): where it came from. Absent for this machine's own.
+        **({"from": {"gid": row["gid"], "device": row["device"], "person": row["person"]}} if row["device"] else {}),
     }
 
 

@@ -264,3 +264,52 @@ def m006_browse_indexes(db: sqlite3.Connection) -> None:
         CREATE INDEX IF NOT EXISTS memories_superseded ON memories(id) WHERE superseded_by IS NOT NULL;
         """
     )
+
+
+# The kinds shared with a team (loomd/team/): durable memories. Observations, digests and evidence passages are this
+# machine's working material and stay here, as do tasks (their state is one machine's).
+SHARED_KINDS = ("fact", "decision", "procedure", "error", "constraint", "preference", "insight", "reflection",
+                "handoff")
+
+
+@migration
+def m007_shared(db: sqlite3.Connection) -> None:
+    """Shared memory (loomd/team/): a global id and origin per memory, and an outbox of the changes to push.
+
+    `gid` is the memory's global id (UUIDv7), given when it is first pushed or pulled; `device`/`person` say where
+    a pulled memory came from (NULL: written here). `shared_changed`/`shared_by` are the version last agreed with
+    the server: a pull writes them, a local change does not, so the triggers can tell a local change (to push) from
+    one the pull applied. The outbox starts with every shareable memory, so turning sharing on sends the past too.
+    """
+    kinds = ",".join(f"'{k}'" for k in SHARED_KINDS)
+    shareable = f"new.kind IN ({kinds}) AND new.scope != 'session'"
+    run_script(db,
+        f"""
+        ALTER TABLE memories ADD COLUMN gid TEXT;
+        ALTER TABLE memories ADD COLUMN device TEXT;
+        ALTER TABLE memories ADD COLUMN person TEXT;
+        ALTER TABLE memories ADD COLUMN shared_changed REAL;
+        ALTER TABLE memories ADD COLUMN shared_by TEXT;
+        CREATE UNIQUE INDEX memories_gid ON memories(gid) WHERE gid IS NOT NULL;
+        CREATE TABLE shared_outbox (
+            memory_id INTEGER PRIMARY KEY REFERENCES memories(id),
+            changed REAL NOT NULL
+        );
+        -- Sync reads the oldest changes first, a batch at a time: an index range, not a sort of the whole queue.
+        CREATE INDEX shared_outbox_changed ON shared_outbox(changed);
+        CREATE TRIGGER memories_share_ai AFTER INSERT ON memories WHEN new.gid IS NULL AND {shareable} BEGIN
+            INSERT OR REPLACE INTO shared_outbox (memory_id, changed) VALUES (new.id, unixepoch('subsec'));
+        END;
+        CREATE TRIGGER memories_share_au
+            AFTER UPDATE OF text, kind, scope, tags, importance, archived_at, superseded_by ON memories
+            WHEN {shareable} AND new.shared_changed IS old.shared_changed AND new.shared_by IS old.shared_by
+                AND (new.text IS NOT old.text OR new.kind IS NOT old.kind OR new.scope IS NOT old.scope
+                     OR new.tags IS NOT old.tags OR new.importance IS NOT old.importance
+                     OR new.archived_at IS NOT old.archived_at OR new.superseded_by IS NOT old.superseded_by)
+        BEGIN
+            INSERT OR REPLACE INTO shared_outbox (memory_id, changed) VALUES (new.id, unixepoch('subsec'));
+        END;
+        """
+    )
+    db.execute(f"INSERT INTO shared_outbox (memory_id, changed) SELECT id, updated FROM memories"
+               f" WHERE kind IN ({kinds}) AND scope != 'session'")

@@ -128,6 +128,7 @@ async def remove(db: aiosqlite.Connection, chosen: Selection) -> dict[str, int]:
     await run("edges", f"DELETE FROM edges WHERE (src_type = 'memory' AND src_id {in_mem})"
                        f" OR (dst_type = 'memory' AND dst_id {in_mem})", [mem, mem])
     await run("superseded", f"UPDATE memories SET superseded_by = NULL WHERE superseded_by {in_mem}", [mem])
+    await run("shared_outbox", f"DELETE FROM shared_outbox WHERE memory_id {in_mem}", [mem])
     await run("memories", f"DELETE FROM memories WHERE id {in_mem}", [mem])  # the FTS trigger drops its entries
     await run("events", f"DELETE FROM events WHERE id {in_mem}", [ev])
     sessions = json.dumps(sorted(chosen.sessions))

@@ -328,6 +328,17 @@ class VectorService:
             timings["vec_ms"] = round((time.perf_counter() - started) * 1000, 3)
         return nearest
 
+    async def embed_query(self, query: str, project: str | None) -> tuple[np.ndarray, str] | None:
+        """The query's vector and the model's name, for a search beyond this store (the team's server); None
+        while there is no embedder."""
+        embedder = self.embedder
+        if self.state != "ready" or embedder is None:
+            return None
+        if not self._shareable(project):
+            raise EmbedderError(f"project {project} is private: its queries are not sent to the embedder")
+        blob = await asyncio.get_running_loop().run_in_executor(self._query, lambda: embedder.embed([query])[0])
+        return np.frombuffer(blob, dtype="<f4"), embedder.name
+
 
 async def exact_rerank(
     reader: aiosqlite.Connection, model: str, vector: np.ndarray, ranked: Sequence[int], eligible: int, *, k: int,

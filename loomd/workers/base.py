@@ -22,6 +22,7 @@ from loomd.redact import redact_text
 from loomd.store.db import Store
 from loomd.store.entities import extract_entities
 from loomd.store.memories import MemoryWriter, content_hash, estimate_tokens
+from loomd.team.sync import SyncEngine
 from loomd.workers.steps import Observation
 
 # Kinds the reflector writes and merges into (capture and `store` write them too: one pool, one truth).
@@ -74,6 +75,7 @@ class WorkerContext:
     memories: MemoryWriter
     wake: Callable[[str, str], None] = lambda name, key: None
     offload: Offload | None = None  # where the text work runs (None: on the loop, as tests that need no child do)
+    sync: SyncEngine | None = None  # shared memory (loomd/team/), when configured
 
     @asynccontextmanager
     async def write(self, dry_run: bool) -> AsyncIterator[aiosqlite.Connection]:

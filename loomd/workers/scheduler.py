@@ -30,12 +30,14 @@ from loomd.ingest.events import Event
 from loomd.offload import Offload
 from loomd.store.db import Store
 from loomd.store.memories import MemoryWriter
+from loomd.team.sync import SyncEngine
 from loomd.workers.base import RunReport, RunRequest, WorkerContext
 from loomd.workers.digest import Digest
 from loomd.workers.dropper import Dropper
 from loomd.workers.gc import GC
 from loomd.workers.observer import Observer
 from loomd.workers.reflector import Reflector
+from loomd.workers.sync import Sync
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +51,12 @@ class Worker(Protocol):
     async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None: ...
 
 
-WORKERS: tuple[type[Worker], ...] = (Observer, Reflector, Dropper, Digest, GC)
+WORKERS: tuple[type[Worker], ...] = (Observer, Reflector, Dropper, Digest, GC, Sync)
 
 
 class Scheduler:
     def __init__(self, store: Store, config: Callable[[], Config], memories: MemoryWriter,
-                 offload: Offload | None = None) -> None:
+                 offload: Offload | None = None, sync: SyncEngine | None = None) -> None:
         self.store = store
         self.config = config
         self.memories = memories
@@ -65,7 +67,7 @@ class Scheduler:
         self.aps: AsyncIOScheduler | None = None
         self.running: set[asyncio.Task[Any]] = set()
         self.stopping = False
-        self.ctx = WorkerContext(store, config, memories, self.wake, offload)
+        self.ctx = WorkerContext(store, config, memories, self.wake, offload, sync)
 
     @property
     def passive(self) -> bool:
@@ -81,9 +83,14 @@ class Scheduler:
             return
         interval = max(1.0, float(self.config().worker_interval_s))
         self.aps = AsyncIOScheduler(timezone=dt.UTC)
-        first = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=interval)
         for name in self.workers:
-            self.aps.add_job(self._job, "interval", seconds=interval, args=[name], id=name, name=name,
+            seconds = interval
+            if name == "sync":  # its own pace, and only with a server to talk to
+                if self.ctx.sync is None or not self.ctx.sync.configured:
+                    continue
+                seconds = max(0.1, float(self.config().shared_interval_s))
+            first = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds)
+            self.aps.add_job(self._job, "interval", seconds=seconds, args=[name], id=name, name=name,
                              max_instances=1, coalesce=True, misfire_grace_time=None, next_run_time=first,
                              replace_existing=True)
         self.aps.start()

@@ -1,0 +1,1 @@
+"""Shared memory across machines and teammates, on PostgreSQL + pgvector (sync worker, shared search)."""

@@ -1,0 +1,211 @@
+"""Sync with the team's server: push this machine's queued changes, pull everyone else's, one short transaction at a
+time on each side, on a connection of its own.
+
+A cycle pushes first (so a conflict is settled on the server, where the loser goes to history and the winner comes
+straight back), then pulls past its watermark. A failure (server down, refused, timed out) closes the connection,
+records the error and backs off (doubling up to BACKOFF_MAX_S); the hook path never waits on any of it: the local
+store keeps capturing and the outbox keeps every change until a push gets through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+
+from loomd.config import Config
+from loomd.errors import SharedError
+from loomd.ignore import PRIVATE_FILE, PrivateProjects
+from loomd.redact import redact_text
+from loomd.store.db import Store
+from loomd.store.memories import MemoryWriter
+from loomd.team import local, remote, schema
+from loomd.team.local import Identity
+from loomd.team.remote import Watermark
+
+log = logging.getLogger(__name__)
+
+PULL_CHECKPOINT = "shared:pull"
+NO_ROW = "00000000-0000-0000-0000-000000000000"
+BACKOFF_MAX_S = 300.0
+SYNC_ERRORS: tuple[type[BaseException], ...] = (SharedError, *remote.CONNECTION_ERRORS)
+MAX_ROUNDS = 10_000  # batches per direction of a forced cycle (push/pull --now): a bound a healthy one never meets
+# Batches per direction of a scheduled cycle: a machine catching up on a large backlog still pushes its own changes
+# every few thousand rows, instead of once the whole backlog is in.
+CYCLE_ROUNDS = 30
+
+
+class SyncEngine:
+    """One machine's sync: its connection, identity, watermark and health (for `status` and `loom doctor`)."""
+
+    def __init__(self, store: Store, config: Callable[[], Config], memories: MemoryWriter) -> None:
+        self.store = store
+        self.config = config
+        self.memories = memories
+        self.private = PrivateProjects(store.path.parent / PRIVATE_FILE)
+        self.lock = asyncio.Lock()
+        self._conn: asyncpg.Connection | None = None
+        self._who: Identity | None = None
+        self.failures = 0
+        self.next_try = 0.0
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None
+        self.last_push_at: float | None = None
+        self.last_pull_at: float | None = None
+        self.pushed = 0
+        self.pulled = 0
+        self.conflicts_lost = 0
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.config().shared_dsn)
+
+    async def run(self, *, push: bool = True, pull: bool = True, force: bool = False) -> dict[str, Any]:
+        """One cycle; `force` (push/pull --now) ignores the backoff. Raises SharedError after recording it."""
+        if not self.configured:
+            raise SharedError("no shared server configured: set [shared] dsn in the config file or LOOMD_SHARED_DSN")
+        async with self.lock:
+            wait = self.next_try - time.time()
+            if wait > 0 and not force:
+                return {"skipped": "backoff", "retry_in_s": round(wait, 1), "last_error": self.last_error}
+            out: dict[str, Any] = {}
+            try:
+                conn, who = await self._connection()
+                rounds = MAX_ROUNDS if force else CYCLE_ROUNDS
+                if push:
+                    out["push"] = await self._push(conn, who, rounds)
+                    self.last_push_at = time.time()
+                if pull:
+                    out["pull"] = await self._pull(conn, who, rounds)
+                    self.last_pull_at = time.time()
+            except SYNC_ERRORS as exc:
+                await self._failed(exc)
+                raise SharedError(self.last_error or "sync failed") from None
+            self.failures, self.next_try = 0, 0.0
+            return out
+
+    async def _connection(self) -> tuple[asyncpg.Connection, Identity]:
+        if self._conn is not None and not self._conn.is_closed():
+            assert self._who is not None
+            return self._conn, self._who
+        cfg = self.config()
+        if not cfg.shared_team:
+            raise SharedError("no team configured: set [shared] team (the team this machine's memories belong to)")
+        conn = await remote.connect(cfg)
+        try:
+            await remote.check_schema(conn)
+            role = str(await conn.fetchval("SELECT current_user"))
+        except BaseException:
+            await conn.close()
+            raise
+        self._conn = conn
+        self._who = Identity(cfg.shared_team, cfg.shared_device or socket.gethostname(), role)
+        return conn, self._who
+
+    async def _failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        self.last_error = str(exc) if isinstance(exc, SharedError) else remote.describe(exc)
+        self.last_error_at = time.time()
+        delay = min(BACKOFF_MAX_S, self.config().shared_interval_s * 2 ** min(self.failures, 16))
+        self.next_try = time.time() + delay * random.uniform(0.8, 1.0)
+        log.warning("shared sync failed (%d in a row; next try in %.0fs): %s", self.failures, delay, self.last_error)
+        await self.close()
+
+    async def _push(self, conn: asyncpg.Connection, who: Identity, rounds: int) -> dict[str, int]:
+        counts = {"inserted": 0, "updated": 0, "same": 0, "lost": 0}
+        batch = self.config().shared_batch
+        for _ in range(rounds):
+            private = self.private.current()
+            async with self.store.atomic() as db:
+                await local.assign_gids(db, private, batch)
+            queued = await local.outgoing(self.store.reader, who, private, batch)
+            if not queued:
+                break
+            verdicts = await remote.push(conn, [o.row for o in queued])
+            winners = [v.winner for v in verdicts if v.outcome == "lost" and v.winner is not None]
+            async with self.memories.atomic() as db:
+                await local.mark_pushed(db, queued)
+                if winners:
+                    await local.apply(db, self.memories, winners)
+            for verdict in verdicts:
+                counts[verdict.outcome] += 1
+            self.pushed += len(queued)
+            self.conflicts_lost += len(winners)
+            if len(queued) < batch:
+                break
+        return counts
+
+    async def _pull(self, conn: asyncpg.Connection, who: Identity, rounds: int) -> dict[str, int]:
+        counts = {"inserted": 0, "updated": 0, "skipped": 0}
+        batch = self.config().shared_batch
+        for _ in range(rounds):
+            mark = await self.watermark()
+            got = await remote.pull(conn, who.team, who.device, mark, batch)
+            if not got:
+                break
+            async with self.memories.atomic() as db:
+                for name, n in (await local.apply(db, self.memories, [row for row, _ in got])).items():
+                    counts[name] += n
+                await db.execute(
+                    "INSERT INTO checkpoints (name, value, updated) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE"
+                    " SET value = excluded.value, updated = excluded.updated",
+                    (PULL_CHECKPOINT, json.dumps(list(got[-1][1])), time.time()))
+            self.pulled += len(got)
+            if len(got) < batch:
+                break
+        return counts
+
+    async def watermark(self) -> Watermark:
+        raw = await self.store.scalar("SELECT value FROM checkpoints WHERE name = ?", (PULL_CHECKPOINT,))
+        if not raw:
+            return (0, NO_ROW)
+        xid, gid = json.loads(raw)
+        return (int(xid), str(gid))
+
+    async def status(self) -> dict[str, Any]:
+        """Lag and health: what waits to be pushed and since when, the last push and pull, the last error."""
+        cfg = self.config()
+        if not self.configured:
+            return {"configured": False}
+        queued, oldest = await local.backlog(self.store.reader, self.private.current())
+        now = time.time()
+        return {
+            "configured": True, "dsn": redact_text(cfg.shared_dsn), "team": cfg.shared_team,
+            "device": cfg.shared_device or socket.gethostname(), "connected": self._conn is not None,
+            "push_queue": queued, "push_lag_s": round(now - oldest, 3) if oldest else 0.0,
+            "last_push_at": self.last_push_at, "last_pull_at": self.last_pull_at,
+            "pull_age_s": round(now - self.last_pull_at, 3) if self.last_pull_at else None,
+            "pushed": self.pushed, "pulled": self.pulled, "conflicts_lost": self.conflicts_lost,
+            "failures": self.failures, "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+            "retry_in_s": round(max(0.0, self.next_try - now), 1) if self.failures else None,
+        }
+
+    async def remote_status(self) -> dict[str, Any]:
+        """What the server says: our role, the rows it lets us see, what waits to be pulled, its schema."""
+        async with self.lock:
+            try:
+                conn, who = await self._connection()
+                visible = int(await conn.fetchval("SELECT count(*) FROM loomd.memories"))
+                backlog = await remote.pending(conn, who.team, who.device, await self.watermark())
+                version, dim = await schema.server_version(conn)
+            except remote.CONNECTION_ERRORS as exc:
+                await self.close()
+                raise SharedError(f"the shared server did not answer: {remote.describe(exc)}") from None
+        return {"role": who.person, "visible_rows": visible, "pull_backlog": backlog, "schema_version": version,
+                "dim": dim}
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.is_closed():
+            try:
+                await asyncio.wait_for(conn.close(), 2.0)
+            except remote.CONNECTION_ERRORS:
+                conn.terminate()
