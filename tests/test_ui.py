@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import json
 import os
 import re
 import shutil
@@ -182,6 +183,38 @@ def test_every_page_opens_with_the_replayed_session(viewer: Viewer, browser: Any
     assert SECRET not in browser.page_source
     row = next(r for r in browser.find_elements(By.CSS_SELECTOR, "table.config tr") if "model_key" in r.text)
     assert '"***"' in row.text and "env LOOMD_MODEL_KEY" in row.text
+
+
+def test_a_sessions_page_shows_every_block_it_was_given(viewer: Viewer, browser: Any) -> None:
+    """A later session in the same folder, through the hooks as the shim sends them: its start block and the recall
+    block of its prompt are recorded as the agent got them, and its page shows both with their token cost."""
+    from selenium.webdriver.common.by import By
+
+    cwd = viewer.call("session", session_id=viewer.session)["session"]["cwd"]
+    later = "ui-later-session"
+
+    def hook(event: str, **extra: Any) -> str:
+        raw = json.dumps({"session_id": later, "transcript_path": f"/tmp/{later}.jsonl", "cwd": cwd,
+                          "hook_event_name": event, **extra})
+        reply = viewer.call("hook", raw=raw, event=event, agent="claude", context=True, deadline_ms=5000)
+        assert reply["stdout"], (event, reply)
+        return str(json.loads(reply["stdout"])["hookSpecificOutput"]["additionalContext"])
+
+    shown = {"SessionStart": hook("SessionStart", source="startup")}
+    # A prompt that quotes a passage of the earlier session (evidence: never in a start block, so not held back as
+    # shown already).
+    asked = viewer.call("memories", project=viewer.project, kind="evidence", limit=1)["memories"][0]
+    shown["UserPromptSubmit"] = hook("UserPromptSubmit", prompt=asked["text"][:300])
+    deadline = time.monotonic() + 10  # the record commits after the hook's answer, off the agent's path
+    while len(blocks := viewer.call("session", session_id=later)["blocks"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(b["kind"], b["text"]) for b in blocks] == [("start", shown["SessionStart"]),
+                                                        ("prompt", shown["UserPromptSubmit"])]
+    assert f"#{asked['id']}" in shown["UserPromptSubmit"]
+    browser.get(f"{viewer.base}/session/{later}")
+    titles = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "h3")]
+    assert any(t.startswith("Start block") for t in titles) and any(t.startswith("Recall on a prompt") for t in titles)
+    assert shown["UserPromptSubmit"].splitlines()[1] in browser.find_elements(By.CSS_SELECTOR, "pre.block")[1].text
 
 
 def test_search_shows_each_signals_share(viewer: Viewer, browser: Any) -> None:

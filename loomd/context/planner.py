@@ -133,7 +133,7 @@ class Planner:
         lines = [line for line in task.result() if line.id not in seen]
         cfg = self.config()
         text, ids = render_recall_block(lines, cfg.prompt_block_chars, cfg.prompt_block_lines)
-        self._mark_later(event.session_id, ids, written)
+        self._mark_later(event.session_id, ids, written, block=("follow-up", text))
         return hook_output(event.kind, text)
 
     def _drop_follow_up(self, session_id: str) -> None:
@@ -165,14 +165,16 @@ class Planner:
 
     def _mark_later(
         self, session_id: str, ids: list[int], written: Awaitable[Any] | None, freeze: str | None = None,
+        block: tuple[str, str] | None = None,
     ) -> None:
-        """Note `ids` as injected (and `freeze` as the session's start block): in memory at once, in the database
-        after the hook has its answer, so the commit's fsync stays off the agent's path. A crash before that commit
-        may let a memory be injected once more, or a resumed session's start block be rendered anew."""
+        """Note `ids` as injected (and `freeze` as the session's start block, `block` as what it was shown: kind,
+        text): in memory at once, in the database after the hook has its answer, so the commit's fsync stays off the
+        agent's path. A crash before that commit may let a memory be injected once more, or a resumed session's
+        start block be rendered anew."""
         if not ids and freeze is None:
             return
         self._marking.setdefault(session_id, []).extend(ids)
-        task = asyncio.create_task(self._mark_injected(session_id, ids, written, freeze))
+        task = asyncio.create_task(self._mark_injected(session_id, ids, written, freeze, block))
         self._mark_tasks.add(task)
 
         def marked(_: asyncio.Task[None]) -> None:
@@ -191,12 +193,16 @@ class Planner:
 
     async def _mark_injected(
         self, session_id: str, ids: list[int], written: Awaitable[Any] | None = None, freeze: str | None = None,
+        block: tuple[str, str] | None = None,
     ) -> None:
         await _durable(written)
-        async with self.store.atomic() as db:  # one commit: the block frozen and its ids marked together
+        async with self.store.atomic() as db:  # one commit: the block frozen, recorded and its ids marked together
             if freeze is not None:
                 await db.execute("UPDATE sessions SET start_block = ? WHERE id = ? AND start_block IS NULL",
                                  (freeze, session_id))
+            if block is not None and block[1]:
+                await db.execute("INSERT INTO injections (session_id, ts, kind, text) VALUES (?, ?, ?, ?)",
+                                 (session_id, time.time(), *block))
             await _mark(db, session_id, ids)
 
     async def start(
@@ -213,7 +219,7 @@ class Planner:
         text, ids = render_start_block(_label(project), lines, counts, self.config().start_block_budget(agent))
         if self._freezing.setdefault(session_id, text) != text:
             return self._freezing[session_id], []  # a concurrent start rendered first; its block is the session's
-        self._mark_later(session_id, ids, written, freeze=text)
+        self._mark_later(session_id, ids, written, freeze=text, block=("start", text))
         return text, ids
 
     async def preview_start(self, project: str, agent: str) -> tuple[str, list[int]]:
@@ -227,7 +233,7 @@ class Planner:
         budget = self.config().reflection_context_max_tokens * 4
         lines = await session_lines(self.store, session_id, project, budget)
         text, ids = render_compact_block(_label(project), lines, budget)
-        self._mark_later(session_id, ids, written)
+        self._mark_later(session_id, ids, written, block=("compact", text))
         return text, ids
 
     async def recall(
@@ -248,7 +254,7 @@ class Planner:
             self._follow_up(session_id, project, prompt)
         text, ids = render_recall_block([line for line in lines if line.id not in seen], cfg.prompt_block_chars,
                                         cfg.prompt_block_lines)
-        self._mark_later(session_id, ids, written)
+        self._mark_later(session_id, ids, written, block=("prompt", text))
         return text, ids
 
     async def _recall_lines(self, session_id: str, project: str, prompt: str, keyword_only: bool) -> list[Line]:

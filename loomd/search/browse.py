@@ -25,6 +25,7 @@ DAY = 86400.0
 # Lists count their matches up to here: an exact count reads every matching row (a whole-table scan for the
 # default filters, ~200 ms at 100k memories), and no one pages to the thousandth match.
 COUNT_CAP = 1000
+MAX_BLOCKS = 500  # of one session's injected blocks, on its page
 
 
 async def capped_count(store: Store, table: str, where: str, params: list[Any]) -> dict[str, Any]:
@@ -94,13 +95,15 @@ async def review_queue(store: Store, *, project: str | None = None, limit: int =
             "new": new["total"], "new_more": new["more"], "last_review": last, "offset": offset, "limit": limit}
 
 
+# What the session's injected blocks cost (a session from before blocks were recorded: its frozen start block).
+_BLOCK_TOKENS = ("coalesce((SELECT (sum(length(i.text)) + 3) / 4 FROM injections i WHERE i.session_id = s.id),"
+                 " (length(coalesce(s.start_block, '')) + 3) / 4)")
 _SESSION_COLUMNS = (
     "s.id, s.agent, s.project, s.cwd, s.started, s.last_seen, s.ended,"
     " (SELECT count(*) FROM events e WHERE e.session_id = s.id) AS events,"
     " (SELECT count(*) FROM memories m WHERE m.session_id = s.id AND m.kind != 'evidence') AS memories,"
     " json_array_length(s.injected) AS injected,"
-    " (length(coalesce(s.start_block, '')) + 3) / 4 AS start_tokens,"
-    " (length(coalesce(s.compact_block, '')) + 3) / 4 AS compact_tokens"
+    f" {_BLOCK_TOKENS} AS block_tokens"
 )
 
 
@@ -125,8 +128,8 @@ async def _memories_where(store: Store, where: str, params: list[Any], limit: in
 async def session_view(store: Store, session_id: str, *, limit: int = 100, offset: int = 0,
                        max_chars: int = 4000) -> dict[str, Any]:
     """A session: a page of its events in order (each with its text), its observations and other memories, its
-    frozen blocks with their token cost and every memory injected into it. The per-prompt recall blocks are not
-    stored as text, only the ids they injected (in `injected`)."""
+    blocks injected into it as the agent got them (start, per prompt, follow-up, after compaction), each with its
+    token cost, and every memory injected into it."""
     row = await store.fetchone(f"SELECT {_SESSION_COLUMNS}, s.start_block, s.compact_block, s.injected AS injected_ids"
                                " FROM sessions s WHERE s.id = ?", (session_id,))
     if row is None:
@@ -145,6 +148,9 @@ async def session_view(store: Store, session_id: str, *, limit: int = 100, offse
                                           [session_id]),
         "injected": injected,
         "injected_tokens": sum(m["tokens"] for m in injected),
+        "blocks": [{"ts": r[0], "kind": r[1], "text": r[2], "tokens": (len(r[2]) + 3) // 4} for r in
+                   await store.fetchall("SELECT ts, kind, text FROM injections WHERE session_id = ? ORDER BY id"
+                                        " LIMIT ?", (session_id, MAX_BLOCKS))],
     }
 
 
@@ -224,8 +230,8 @@ async def stats_series(store: Store, *, project: str | None = None, days: int = 
         f" WHERE created >= ? AND kind != 'evidence' {project_sql} GROUP BY day, kind ORDER BY day",
         [since, *params])
     injected = await store.fetchall(
-        "SELECT s.id, s.started, (length(coalesce(s.start_block, '')) + length(coalesce(s.compact_block, '')) + 3)"
-        " / 4 AS block_tokens, (SELECT coalesce(sum(m.tokens), 0) FROM json_each(s.injected) j"
+        f"SELECT s.id, s.started, {_BLOCK_TOKENS} AS block_tokens, (SELECT coalesce(sum(m.tokens), 0)"
+        " FROM json_each(s.injected) j"
         " JOIN memories m ON m.id = j.value) AS memory_tokens"
         f" FROM sessions s WHERE 1 {project_sql.replace('project', 's.project')} ORDER BY s.started DESC LIMIT ?",
         [*params, sessions])

@@ -313,3 +313,21 @@ def m007_shared(db: sqlite3.Connection) -> None:
     )
     db.execute(f"INSERT INTO shared_outbox (memory_id, changed) SELECT id, updated FROM memories"
                f" WHERE kind IN ({kinds}) AND scope != 'session'")
+
+
+@migration
+def m008_injections(db: sqlite3.Connection) -> None:
+    """Every block injected into a session, as the agent got it (start, per prompt, its follow-up, after
+    compaction): what a session was shown, and at what token cost, is there to see (the viewer's session page)."""
+    run_script(db,
+        """
+        CREATE TABLE IF NOT EXISTS injections (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL,
+            ts REAL NOT NULL,
+            kind TEXT NOT NULL,
+            text TEXT NOT NULL
+        );
+        CREATE INDEX IF NOT EXISTS injections_session ON injections(session_id, id);
+        """
+    )

@@ -133,11 +133,15 @@ async def remove(db: aiosqlite.Connection, chosen: Selection) -> dict[str, int]:
     await run("events", f"DELETE FROM events WHERE id {in_mem}", [ev])
     sessions = json.dumps(sorted(chosen.sessions))
     await run("sessions", f"DELETE FROM sessions WHERE id {in_mem}", [sessions])
+    await run("injections", f"DELETE FROM injections WHERE session_id {in_mem}", [sessions])
     await run("checkpoints", "DELETE FROM checkpoints WHERE name IN (SELECT 'observer:' || value FROM json_each(?))",
               [sessions])
     # Blocks frozen for other sessions that showed a purged memory: a resumed session gets a new one.
     await run("sessions", "UPDATE sessions SET start_block = NULL, compact_block = NULL WHERE EXISTS"
                           f" (SELECT 1 FROM json_each(sessions.injected) WHERE value {in_mem})", [mem])
+    # Blocks injected that showed one (each line of a block closes with " #id").
+    await run("injections", "DELETE FROM injections WHERE EXISTS (SELECT 1 FROM json_each(?)"
+                            " WHERE instr(injections.text, ' #' || value || char(10)))", [mem])
     for memory_id in neighbours:
         changed["ctx"] = changed.get("ctx", 0) + await update_context(db, memory_id)
     for needle in chosen.needles:
@@ -146,6 +150,7 @@ async def remove(db: aiosqlite.Connection, chosen: Selection) -> dict[str, int]:
         await run("ctx", "UPDATE memories SET ctx = '' WHERE instr(lower(ctx), ?)", [needle])
         for block in ("start_block", "compact_block"):
             await run("sessions", f"UPDATE sessions SET {block} = NULL WHERE instr(lower({block}), ?)", [needle])
+        await run("injections", "DELETE FROM injections WHERE instr(lower(text), ?)", [needle])
         named = "(SELECT id FROM entities WHERE instr(lower(name), ?))"
         await run("edges", f"DELETE FROM edges WHERE (src_type = 'entity' AND src_id IN {named})"
                            f" OR (dst_type = 'entity' AND dst_id IN {named})", [needle, needle])

@@ -33,6 +33,8 @@ MODES = ("hybrid", "keyword", "semantic")
 # Event kinds whose text is the agent's own output or a tool's result: folded in the timeline, one click away.
 FOLDED = ("tool", "tool_result", "tool_call", "post_tool", "assistant", "subagent")
 SECRET_WORDS = ("key", "token", "secret", "password")
+BLOCK_NAMES = {"start": "Start block", "prompt": "Recall on a prompt", "follow-up": "Recall with a tool result",
+               "compact": "After compaction"}
 
 
 def _int(value: str | None, default: int = 0) -> int:
@@ -172,7 +174,7 @@ class Pages:
                 + '<button type="submit">Go</button></form>')
         rows = [[f'<a href="/session/{esc(s["id"])}">{esc(s["id"])}</a>', esc(s["agent"]), project_cell(s["project"]),
                  when(s["started"]), when(s["last_seen"]), str(s["events"]), str(s["memories"]),
-                 str(s["injected"]), str(s["start_tokens"] + s["compact_tokens"])] for s in reply["sessions"]]
+                 str(s["injected"]), str(s["block_tokens"])] for s in reply["sessions"]]
         body = form + table(["session", "agent", "project", "started", "last seen", "events", "memories",
                              "injected", "block tokens"], rows, "sessions")
         return self.frame("Sessions", "sessions", body + pager("/sessions", {"project": project}, offset, PAGE,
@@ -191,12 +193,12 @@ class Pages:
             events.append(f'<div class="event k-{esc(e["kind"])}" id="e{e["id"]}">'
                           + (f"<details><summary>{head}</summary>{text}</details>" if folded else head + text)
                           + "</div>")
+        blocks = "".join(f'<h3>{esc(BLOCK_NAMES.get(b["kind"], b["kind"]))} · {when(b["ts"], True)} · '
+                         f'{b["tokens"]} tokens</h3><pre class="block">{esc(b["text"])}</pre>' for b in v["blocks"])
         start = s.get("start_block")
-        blocks = (f'<h3>Start block · {_tokens(start)} tokens</h3><pre class="block">{esc(start)}</pre>' if start
-                  else '<p class="empty">no start block was injected</p>')
-        if s.get("compact_block"):
-            blocks += (f'<h3>After compaction · {_tokens(s["compact_block"])} tokens</h3>'
-                       f'<pre class="block">{esc(s["compact_block"])}</pre>')
+        if not blocks:  # a session from before blocks were recorded: its frozen start block at least
+            blocks = (f'<h3>Start block · {_tokens(start)} tokens</h3><pre class="block">{esc(start)}</pre>'
+                      if start else '<p class="empty">no block was injected</p>')
         injected = "".join(f"<li>{kind_badge(m['kind'])} {memory_link(m, 200)} <small>{m['tokens']} tok</small></li>"
                            for m in v["injected"])
         body = (
@@ -206,8 +208,6 @@ class Pages:
             + f"<h2>Injected</h2>{blocks}"
             + f'<h3>Memories shown ({len(v["injected"])}, {v["injected_tokens"]} tokens of memory text)</h3>'
             + (f"<ul>{injected}</ul>" if injected else '<p class="empty">none</p>')
-            + '<p class="meta">Per-prompt recall blocks are recorded as the ids they showed (listed above), not as '
-              "text.</p>"
             + f'<h2>Observations ({len(v["observations"])})</h2>'
             + "<ul>" + "".join(f"<li>{memory_link(o, 220)}</li>" for o in v["observations"]) + "</ul>"
             + f'<h2>Memories written ({len(v["memories"])})</h2>'
