@@ -35,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loomd.client import Client  # noqa: E402
+from loomd.client import Client, wait_until_serving  # noqa: E402
 from loomd.store.db import connect_sync  # noqa: E402
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -146,18 +146,10 @@ def start_daemon(home: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     with open(home / "daemon.log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "loomd", "serve"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, cwd=env["PYTHONPATH"])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError((home / "daemon.log").read_text()[-2000:])
-        try:
-            with Client(home / "loomd.sock", timeout=2) as c:
-                c.call("ping")
-            return proc
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(0.05)
+    if wait_until_serving(home / "loomd.sock", 60, lambda: proc.poll() is None):
+        return proc
     proc.kill()
-    raise TimeoutError("the daemon did not come up")
+    raise RuntimeError(f"the daemon did not come up: {(home / 'daemon.log').read_text()[-2000:]}")
 
 
 def run_import(env: dict[str, str]) -> tuple[dict[str, Any], float]:

@@ -253,21 +253,7 @@ def sqlite_floor(root: Path, n: int, size: int) -> dict[str, Any]:
 
 def ping_floor(home: Path, n: int) -> dict[str, Any]:
     """A `ping` on a fresh connection per call: connect + one frame each way, the socket's own cost."""
-    import msgpack
-
-    frame = msgpack.packb({"v": 1, "id": 1, "op": "ping"})
-    frame = len(frame).to_bytes(4, "big") + frame
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        with socket.socket(socket.AF_UNIX) as s:
-            s.connect(str(home / "loomd.sock"))
-            s.sendall(frame)
-            size = int.from_bytes(s.recv(4), "big")
-            got = b""
-            while len(got) < size:
-                got += s.recv(size - len(got))
-        times.append(time.perf_counter() - t0)
+    times = ping_worker((str(home), n))
     return {"ping_ms": {"p50": ms(pct(times, 0.5)), "p99": ms(pct(times, 0.99))}}
 
 

@@ -26,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loomd.client import Client  # noqa: E402
+from loomd.client import Client, wait_until_serving  # noqa: E402
 from loomd.ingest.transcript import TranscriptItem, detect_format, parse_file  # noqa: E402
 
 ID = re.compile(r" #(\d+)$", re.MULTILINE)  # the id closing each line, not a "#12" inside memory text
@@ -54,14 +54,8 @@ def start_daemon(home: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "LOOMD_HOME": str(home), "LOOMD_TAIL_TRANSCRIPTS": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "loomd", "serve"], env=env, stdout=subprocess.DEVNULL,
                             stderr=open(home / "daemon.log", "wb"), cwd=REPO)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with Client(home / "loomd.sock", timeout=2) as c:
-                c.call("ping")
-            return proc
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(0.05)
+    if wait_until_serving(home / "loomd.sock", 30, lambda: proc.poll() is None):
+        return proc
     proc.kill()
     raise SystemExit(f"daemon did not start: {(home / 'daemon.log').read_text()[-2000:]}")
 

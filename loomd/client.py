@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,20 @@ class Client:
         self.connect().sendall(frame)
         (length,) = protocol.HEADER.unpack(self._recv_exactly(protocol.HEADER.size))
         return _result(protocol.decode_body(self._recv_exactly(length)))
+
+
+def wait_until_serving(path: Path | str, within_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Ping the daemon at `path` until it answers (True), `within_s` passes or `alive()` turns false (False): a
+    script that started a daemon waits for it here."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and alive():
+        try:
+            with Client(path, timeout=2) as client:
+                client.call("ping")
+            return True
+        except (OSError, LoomdError):  # not listening yet, or still starting
+            time.sleep(0.05)
+    return False
 
 
 class AsyncClient:
