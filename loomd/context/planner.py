@@ -265,8 +265,8 @@ class Planner:
         this at ~3 ms with 100k memories."""
         keyword = {"weights": {"vec": 0, "graph": 0}, "tuning": {"fts_budget": PROMPT_FTS_BUDGET}}
         cfg = self.config()
-        hits = await self.search(query=prompt[:2000], limit=12, project=project,
-                                 window_chars=recall_room(cfg.prompt_block_chars, cfg.prompt_block_lines),
+        room = recall_room(cfg.prompt_block_chars, cfg.prompt_block_lines)  # every line its share, the first too
+        hits = await self.search(query=prompt[:2000], limit=12, project=project, window_chars=room, lead_chars=room,
                                  **(keyword if keyword_only else {}))
         min_score = cfg.prompt_min_score  # only a hit with a cosine is measured against it
         return [_recall_line(h.memory) for h in hits

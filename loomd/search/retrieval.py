@@ -30,7 +30,7 @@ from loomd.search.fusion import (
     score_by_entities,
     weighted_rrf,
 )
-from loomd.search.windows import WINDOW_CHARS, best_windows, merge_passages, passage_head
+from loomd.search.windows import LEAD_CHARS, WINDOW_CHARS, best_windows, merge_passages, passage_head
 from loomd.store.db import Store, connect_sync
 from loomd.store.entities import extract_entities
 from loomd.store.memories import memory_dict
@@ -48,6 +48,7 @@ MODE_WEIGHTS: dict[str, dict[str, float]] = {
 GRAPH_POSTINGS = 1000
 COLLAPSE_POOL = 4  # candidates per slot read for the provenance collapse
 NEAR_DUPLICATE = 0.75  # a hit sharing this share of its terms with a better one takes no slot
+TOP_ROOM = 3  # EXPERIMENT
 DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passage's score takes the passage's slot
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
 FTS_BUDGET = 10_000
@@ -358,10 +359,10 @@ async def search_hits(
     scope: str | None = None, kind: str | list[str] | None = None, since: float | None = None,
     until: float | None = None, session_id: str | None = None, include_archived: bool = False,
     weights: Mapping[str, Any] | None = None, tuning: Mapping[str, Any] | None = None,
-    report: dict[str, Any] | None = None, window_chars: int = WINDOW_CHARS,
+    report: dict[str, Any] | None = None, window_chars: int = WINDOW_CHARS, lead_chars: int = LEAD_CHARS,
 ) -> list[Hit]:
     """Fused search. `report`, when given, receives per-stage timings (ms) and notes on signals that could not run;
-    an evidence hit shows at most `window_chars` of its step (`search/windows.py`)."""
+    an evidence hit shows at most `window_chars` of its step (`search/windows.py`), the first hit `lead_chars`."""
     started = time.perf_counter()
     active = resolve_weights(mode, weights)
     knobs = resolve_tuning(tuning)
@@ -475,7 +476,8 @@ async def search_hits(
             cited.update((e, hit) for e in (*mine, *(e for e, h in cited.items() if h is holder)))
         else:
             holder.memory.setdefault("collapsed", []).append(memory_id)
-    await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query, window_chars)
+    await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query, window_chars,
+                        max(lead_chars, window_chars))
     timings["fuse_ms"] = _ms(t)
     timings["total_ms"] = _ms(started)
     if report is not None:
@@ -501,8 +503,9 @@ def _ms(started: float) -> float:
 
 
 async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, Any],
-                        sources: Mapping[int, tuple[int, ...]], query: str, budget: int) -> None:
-    """Each evidence hit shows the windows of its whole step that match the query (`search/windows.py`)."""
+                        sources: Mapping[int, tuple[int, ...]], query: str, budget: int, lead: int) -> None:
+    """Each evidence hit shows the windows of its whole step that match the query (`search/windows.py`): the first
+    hit `lead` characters of them, the others `budget`."""
     if not any(hit.memory["kind"] == "evidence" for hit in hits):
         return  # the common case of the hook's keyword recall: nothing to stem, nothing to read
 
@@ -511,7 +514,7 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
     def holds(line: str) -> frozenset[str]:
         return held_terms(terms, line)
 
-    for hit in hits:
+    for rank, hit in enumerate(hits):
         memory_id = hit.memory["id"]
         head = passage_head(metas.get(memory_id)) if hit.memory["kind"] == "evidence" else None
         events = sources.get(memory_id, ())
@@ -522,8 +525,9 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
             " AND m.kind = 'evidence' AND m.archived_at IS NULL", (events[0],))
         parts = sorted((json.loads(r["meta"] or "{}").get("part", 0), r["text"]) for r in rows
                        if passage_head(r["meta"]) == head)
-        if len(parts) > 1 or len(hit.memory["text"]) > budget:
-            hit.memory["text"] = best_windows(head, merge_passages(head, [text for _, text in parts]), holds, budget)
+        room = lead if rank == 0 else budget
+        if len(parts) > 1 or len(hit.memory["text"]) > room:
+            hit.memory["text"] = best_windows(head, merge_passages(head, [text for _, text in parts]), holds, room)
 
 
 def _near(a: frozenset[str], b: frozenset[str]) -> bool:
