@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlean
 
 from loomd.client import AsyncClient, Client
 from loomd.config import load_config
@@ -44,6 +45,19 @@ def path_without_agents(folder: Path) -> str:
 
 def test_data_dir() -> Path:
     return Path(os.environ.get("LOOMD_TEST_DATA") or REPO.parent / "shared" / "data")
+
+
+def query(home: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """A read of the daemon's database file, as a test checks what was stored.
+
+    Through the daemon's own SQLite build (sqlean): a second SQLite library in the process does not see the first
+    one's POSIX locks on the WAL index, and closing its connection can pull the shared memory from under the
+    in-process daemon's connections (SIGBUS)."""
+    conn = sqlean.connect(f"file:{home / 'loomd.db'}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
 
 
 def need_test_data(*parts: str) -> Path:

@@ -267,14 +267,22 @@ def test_corrupt_database_is_a_fail(daemon_process: Any, home: Path, user_home: 
     assert_status(found, "database", "FAIL", str(db), "move")
 
 
-class _Refusing(http.server.BaseHTTPRequestHandler):
+class _Answering(http.server.BaseHTTPRequestHandler):
+    """A local model server whose GET (the doctor's `/models` probe) answers `status` with an empty body."""
+
+    status: int
+
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-        self.send_response(401)
+        self.send_response(self.status)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: the test reads the doctor's verdict, not the fake server's access log
+
+
+class _Refusing(_Answering):
+    status = 401  # a wrong key
 
 
 @pytest.fixture
@@ -369,16 +377,10 @@ async def test_orphan_temp_files_and_quarantined_files_are_reported_with_fixes_t
     assert_status(found, "spool", "OK")
 
 
-class _NoModelList(http.server.BaseHTTPRequestHandler):
-    """A local model server that answers chat completions but not GET /models (llama.cpp-style servers)."""
+class _NoModelList(_Answering):
+    """Answers chat completions but not GET /models (llama.cpp-style servers)."""
 
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-        self.send_response(501)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # quiet: the test reads the doctor's verdict, not the fake server's access log
+    status = 501
 
 
 async def test_a_model_server_that_lists_no_models_is_fine(home: Path, user_home: Path) -> None:

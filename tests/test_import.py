@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlean
-from conftest import REPO, DaemonProcess, need_test_data, serving
+from conftest import REPO, DaemonProcess, need_test_data, query, serving
 
 from loomd.client import AsyncClient, RemoteError
 from loomd.daemon import Daemon
@@ -98,15 +97,6 @@ def other_home() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="lm", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def query(home: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    # Through sqlean, the daemon's SQLite build: see tests/test_tailer.py::query.
-    conn = sqlean.connect(f"file:{home / 'loomd.db'}?mode=ro", uri=True)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
 
 
 def transcript_events(home: Path) -> Counter[tuple[str, str, str]]:

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 import sqlean
-from conftest import REPO, DaemonProcess, serving
-from test_tailer import caught_up, query, wait_until
+from conftest import REPO, DaemonProcess, query, serving
+from test_tailer import caught_up, wait_until
 
 from loomd.client import AsyncClient, Client, RemoteError
 from loomd.config import load_config

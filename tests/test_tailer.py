@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlean
-from conftest import need_test_data, wait_for_socket
+from conftest import need_test_data, query, wait_for_socket
 
 from loomd.client import AsyncClient
 from loomd.config import load_config
@@ -61,17 +60,6 @@ async def wait_until(cond: Callable[[], bool | Awaitable[bool]], what: str, with
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {within}s waiting for {what}")
         await asyncio.sleep(0.05)
-
-
-def query(home: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    # Through the daemon's own SQLite build (sqlean): a second SQLite library in the process does not see the first
-    # one's POSIX locks on the WAL index, and closing its connection can pull the shared memory from under the
-    # in-process daemon's connections (SIGBUS).
-    conn = sqlean.connect(f"file:{home / 'loomd.db'}?mode=ro", uri=True)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
 
 
 def transcript_counts(home: Path, session_id: str) -> Counter[str]:
