@@ -144,16 +144,23 @@ async def test_rate_limit_per_session(client: AsyncClient, home) -> None:
 
 
 def test_parsers_on_real_command_shapes() -> None:
-    assert commit_subject('git commit -m "fix: handle empty input"', "") == ("", "fix: handle empty input")
-    assert commit_subject("git commit -am 'wip'", "") == ("", "wip")
+    assert commit_subject('git commit -m "fix: handle empty input"', "") == ("", "fix: handle empty input", "")
+    assert commit_subject("git commit -am 'wip'", "") == ("", "wip", "")
     assert commit_subject(
-        "git commit -m \"$(cat <<'EOF'\nAdd retry queue\n\nLonger body\nEOF\n)\"", "") == ("", "Add retry queue")
+        "git commit -m \"$(cat <<'EOF'\nAdd retry queue\n\nLonger body\nEOF\n)\"", "") == ("", "Add retry queue", "")
     assert commit_subject('git commit -m "$MSG"', "") is None
     assert commit_subject("git commit", "") is None
     assert commit_subject('git commit -m "x"', "[main 1a2b3c4d] Real subject\n 1 file changed") == \
-        ("1a2b3c4", "Real subject")
+        ("1a2b3c4", "Real subject", "main")
     assert shell_command({"command": ["bash", "-lc", "npm test"]}) == "npm test"
     assert shell_command({"cmd": "cargo test"}) == "cargo test"
+    # Codex's code mode: a JavaScript snippet calling the shell tool, its argument JSON or a JavaScript literal.
+    assert shell_command({"input": 'const r = await tools.exec_command({"cmd":"sed -n \'1,80p\' SKILL.md",'
+                                   '"workdir":"/w"});\ntext(r.output);'}) == "sed -n '1,80p' SKILL.md"
+    assert shell_command({"input": 'const a = await tools.exec_command({cmd:"cargo test -q",workdir:w});\n'
+                                   'const b = await tools.exec_command({cmd:"git status --short"});'}) == \
+        "cargo test -q\ngit status --short"
+    assert shell_command({"input": "const r = await tools.web__run({open: [{ref_id: 'x'}]});"}) == ""
     assert shell_command({"command": 5}) == ""
 
 

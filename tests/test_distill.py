@@ -117,7 +117,7 @@ def test_tests_going_green_and_commits_from_hook_payloads() -> None:
     got = s.observe()
     assert ("progress", "Tests green: `npm test` (Tests 29 passed (29)); was failing: Tests 1 failed | 28 passed "
                         "(29)") in got
-    assert ("decision", "Committed 0badf00: Fix the retry budget") in got
+    assert ("decision", "Committed [main 0badf00]: Fix the retry budget") in got
 
 
 def test_an_unrelated_later_command_is_not_called_a_fix() -> None:
@@ -219,7 +219,8 @@ def test_command_parsing_helpers() -> None:
     assert command_heads("npm run build && npm run test:offline") == {"npm run build", "npm run test:offline"}
     assert commit_subject("git commit -m \"$(cat <<'EOF'\nfeat: x\n\nbody\nEOF\n)\"",
                           "[master 70f2781] feat: add tar support\n 3 files changed") == ("70f2781",
-                                                                                         "feat: add tar support")
+                                                                                         "feat: add tar support",
+                                                                                         "master")
     assert first_error_line("Traceback (most recent call last):\n  File \"a.py\", line 1\nKeyError: 'x'") \
         == "KeyError: 'x'"
 
@@ -483,3 +484,16 @@ async def test_a_private_project_is_never_sent_to_the_model(monkeypatch, home, m
             assert f"{PROJECT} is private" in run["detail"]["model_fallback"][0]
             assert {o["origin"] for o in await _session_obs(client, "pv1")} == {"observer"}  # the rules ran
     assert fake.requests == []
+
+
+def test_the_end_of_a_session_says_where_it_stopped() -> None:
+    """The final run notes the user's last request and the agent's last words: where a next session picks up."""
+    s = Session()
+    s.user("port the uploader to the new queue client")
+    s.assistant("The uploader now uses the queue client; 12 tests pass.")
+    s.user("how do I explain how to use this to my friends that are also devs?")
+    s.assistant("API Error: 400 the request was rejected, the conversation could not continue.")
+    stopped = [t for kind, t in s.observe(final=True) if t.startswith("Session stopped")]
+    assert len(stopped) == 1 and "my friends that are also devs" in stopped[0] and "API Error: 400" in stopped[0]
+    assert "port the uploader" not in stopped[0]  # the last ask, not the first
+    assert not [t for _, t in s.observe(final=False) if t.startswith("Session stopped")]  # only at its end

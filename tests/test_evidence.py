@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from conftest import need_test_data
 
@@ -64,6 +65,20 @@ def test_a_tool_run_is_its_input_and_its_result_and_a_call_seen_twice_counts_onc
     assert "RETRIES = 5" in found[1].context  # the passage before it, as context
 
 
+def test_what_a_step_only_viewed_and_whose_words_a_subagent_prompt_holds() -> None:
+    """A passage says where it came from: a subagent's prompt is its parent agent's brief, never "User:"; a step
+    that only showed or listed files (Read, `sed -n`, `rg`, `ls`) is marked so search can rank
+    it below what the session said and did (`view_prior`); one that also changed something is not."""
+    brief = Step("user", "You are a Go expert tasked with cleaning up unused code.", 1.0, [1], lane="agent-1")
+    user = Step("user", "also use tdd and serena and the mcp tools", 2.0, [2])
+    read = Step("run", "package main\nfunc main() {}", 3.0, [3], tool="Read", tool_input={"file_path": "main.go"})
+    cat = Step("run", "[tool]\nname = 'x'", 4.0, [4], tool="Bash", command="cd app && sed -n '1,40p' pyproject.toml")
+    edit = Step("run", "ok", 5.0, [5], tool="Bash", command="sed -i 's/a/b/' f.txt && cat f.txt")
+    found = {e.sources[0]: e for e in evidence_of([brief, user, read, cat, edit], {1, 2, 3, 4, 5})}
+    assert found[1].head == "Subagent task:" and found[2].head == "User:"
+    assert [i for i, e in sorted(found.items()) if e.meta().get("views")] == [3, 4]
+
+
 def _deep_line(path: Path) -> str:
     """A distinctive line from the middle of the file's longest tool result (read here with plain JSON)."""
     longest = ""
@@ -91,6 +106,11 @@ async def test_a_line_deep_in_a_tool_result_is_found_as_evidence(client: AsyncCl
     found = await client.call("search", query=line, mode="keyword", project=project, limit=5)
     evidence = [r for r in found["results"] if r["kind"] == "evidence" and line in r["text"]]
     assert evidence, (line, [r["text"][:80] for r in found["results"]])
+    # The step is a Read, whose passages rank below what the session said (`view_prior`); without that prior it
+    # is the first hit.
+    found = await client.call("search", query=line, mode="keyword", project=project, limit=5,
+                              tuning={"view_prior": 1.0})
+    evidence = [r for r in found["results"] if r["kind"] == "evidence" and line in r["text"]]
     # The first hit shows up to twice a passage's room of its step (this step is long: it does), the others one.
     first, *rest = found["results"]
     assert first is evidence[0] and WINDOW_CHARS < len(first["text"]) <= LEAD_CHARS
@@ -204,3 +224,68 @@ def test_a_summary_that_says_less_than_its_passage_does_not_take_its_slot() -> N
     assert dense_wins(terms, works, output)  # more of the question's words, though a lower score
     same = {"text": "Bash `uv run ruff check src/`: All checks passed, no finding came back", "score": 0.05}
     assert dense_wins(terms, {**same, "score": 0.046}, same) and not dense_wins(terms, {**same, "score": 0.03}, same)
+
+
+# --- ranking the evidence: views of files, the user's own words, repeated windows ----------------------------------
+
+VIEWS_CWD = "/tmp/loomd-views-project"
+
+
+async def _session(client: AsyncClient, session: str, records: list[dict[str, Any]]) -> str:
+    """Send a hook-only session as the shim would, observe it to its end; its project."""
+    for i, record in enumerate(records):
+        body = {"session_id": session, "transcript_path": f"/tmp/{session}.jsonl", "cwd": VIEWS_CWD,
+                "timestamp": 1_750_000_000 + i, **record}
+        await client.call("hook", event=record["hook_event_name"], agent="claude", raw=json.dumps(body))
+    assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
+    return str((await client.call("events", session_id=session, limit=1))["events"][0]["project"])
+
+
+def _read(path: str, content: str) -> dict[str, Any]:
+    return {"hook_event_name": "PostToolUse", "tool_name": "Read", "tool_input": {"file_path": path},
+            "tool_response": {"type": "text", "file": {"filePath": path, "content": content}}}
+
+
+def _said(text: str) -> dict[str, Any]:
+    return {"hook_event_name": "Stop", "stop_hook_active": False, "last_assistant_message": text}
+
+
+async def test_a_view_of_a_file_ranks_below_what_the_session_said_about_it(client: AsyncClient) -> None:
+    """A Read returns a copy of the repository: long and rich in every term of the question. What the session
+    concluded from it is the answer; the view keeps a share of its score (`view_prior`)."""
+    doc = "\n".join(["# Uploader retry budget", "The uploader retries a failed upload up to the retry budget.",
+                     "Each retry of the uploader waits longer: exponential backoff between uploads.",
+                     "The retry budget of the uploader is set in config/uploader.toml (retry budget = 3).",
+                     "Why the uploader times out: a slow link; raising the retry budget of the uploader helps."])
+    project = await _session(client, "views-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "the nightly upload job keeps failing, look into it"},
+        _read("docs/uploader.md", doc),
+        _said("Found it: the nightly uploads timed out on the slow link, so I raised the uploader's retry budget "
+              "from 3 to 8 in config/uploader.toml."),
+    ])
+    query = "why did the uploader time out and what retry budget fixed it"
+    ranked = (await client.call("search", query=query, mode="keyword", project=project, limit=5))["results"]
+    assert "from 3 to 8" in ranked[0]["text"], ranked
+    plain = (await client.call("search", query=query, mode="keyword", project=project, limit=5,
+                               tuning={"view_prior": 1.0}))["results"]
+    assert plain[0]["text"].startswith("Read docs/uploader.md:"), plain  # without the prior the view wins
+
+
+async def test_two_steps_that_show_the_same_window_take_one_slot(client: AsyncClient) -> None:
+    """Two steps repeating one block (a commit message drafted, then reported): their passages differ, the windows
+    shown are the same; one slot, the other collapsed into it, and the next hit moves up."""
+    block = ["Changes:", "- Add skipPermissions to DmuxSettings with a clear warning label",
+             "- Update all 3 Claude launch points to respect the setting",
+             "- Disable autoApproveTrustPrompt when skipPermissions is on"]
+    first = [f"Step {i}: read src/module_{i}.ts and noted its exports for the settings refactor" for i in range(14)]
+    second = [f"Check {i}: ran the build for package {i} and it finished without warnings" for i in range(14)]
+    project = await _session(client, "dup-1", [
+        _said("\n".join([*first, *block])),
+        _said("\n".join([*second, *block])),
+        _said("The trust prompt step is skipped when skipPermissions is on, since the flag already skips prompts."),
+    ])
+    query = "what happens to autoApproveTrustPrompt when skipPermissions is on"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
+    shown = [r for r in results if "Disable autoApproveTrustPrompt" in r["text"]]
+    assert len(shown) == 1 and shown[0]["collapsed"], results
+    assert any("trust prompt step is skipped" in r["text"] for r in results)

@@ -127,7 +127,7 @@ async def test_observer_writes_typed_sourced_observations_and_moves_its_watermar
             assert m["created"] >= 1_700_000_000  # the event's time, not the run's
         assert "never use print for logging" in by_type["constraint"][0]["text"]
         assert any("tenacity" in m["text"] for m in by_type["decision"])
-        assert any(m["text"].startswith("Committed 1a2b3c4: Add retry") for m in by_type["decision"])
+        assert any(m["text"].startswith("Committed [main 1a2b3c4]: Add retry") for m in by_type["decision"])
         assert any(m["text"].startswith("Tests green: `pytest tests/test_upload.py` (5 passed") for m in
                    by_type["progress"])
         assert any("test_retry" in m["text"] for m in by_type["error"])
@@ -583,7 +583,7 @@ async def test_a_real_session_yields_useful_observations_and_reflections(monkeyp
         obs = [m["text"] for m in await memories(client, kind="observation")]
         assert all(len(t) <= 200 for t in obs)
         assert any("pytest: command not found" in t and ".venv/bin/activate" in t for t in obs)
-        assert any(t.startswith("Committed 70f2781: feat: add support for tar archives") for t in obs)
+        assert any(t.startswith("Committed [master 70f2781]: feat: add support for tar archives") for t in obs)
         # The choice says what Option C is, not only its label.
         assert any(t.startswith('User chose "Option C: Extra field: Add CORRUPTED as a 4th tab-separated field')
                    for t in obs)

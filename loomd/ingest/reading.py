@@ -3,6 +3,7 @@ the error; which commands are plumbing. Read the same way at ingest (capture rul
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from typing import Any
@@ -38,21 +39,47 @@ def tick(command: str, limit: int = 80) -> str:
     return "`" + clip(command.replace("`", "'"), limit) + "`"
 
 
+# Codex's code mode runs its shell through `exec`, a JavaScript snippet calling `tools.exec_command({cmd})`.
 SHELL_TOOLS = frozenset({"Bash", "bash", "shell", "shell_command", "exec_command", "local_shell", "container.exec",
-                         "run_command"})
+                         "run_command", "exec"})
 EDIT_TOOLS = frozenset({"Edit", "MultiEdit", "Write", "NotebookEdit", "apply_patch", "edit_file", "write_file"})
 
 
 def shell_command(tool_input: Any) -> str:
-    """The command line of a shell tool call (Claude `command`, Codex `cmd` or argv lists)."""
+    """The command line of a shell tool call (Claude `command`, Codex `cmd` or argv lists, the commands of a Codex
+    code-mode script, one a line)."""
     if not isinstance(tool_input, dict):
         return ""
     cmd = tool_input.get("command", tool_input.get("cmd", ""))
+    script = tool_input.get("input")
+    if not cmd and isinstance(script, str):
+        return "\n".join(script_commands(script))
     if isinstance(cmd, list) and all(isinstance(c, str) for c in cmd):
         if len(cmd) == 3 and cmd[0].rsplit("/", 1)[-1] in ("bash", "sh", "zsh") and cmd[1] in ("-lc", "-c"):
             return cmd[2]
         return shlex.join(cmd)
     return cmd if isinstance(cmd, str) else ""
+
+
+_SCRIPT_SHELL = re.compile(r"\btools\.(?:exec_command|shell_command|shell)\s*\(")
+# The `cmd` of an argument object, JSON (`"cmd":"…"`) or JavaScript (`cmd:"…"`), as a JSON string literal.
+_SCRIPT_CMD = re.compile(r'(?:"cmd"|\bcmd)\s*:\s*("(?:[^"\\\n]|\\.)*")')
+
+
+def script_commands(script: str) -> list[str]:
+    """The command lines a Codex code-mode script runs: each `cmd: "…"` string of a script that calls
+    `tools.exec_command`; a command built from variables at run time names nothing here."""
+    if not _SCRIPT_SHELL.search(script):
+        return []
+    found: list[str] = []
+    for match in _SCRIPT_CMD.finditer(script):
+        try:
+            command = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if command.strip():
+            found.append(command)
+    return found
 
 
 _EXIT = re.compile(r'(?:^\s*Exit code:?\s*|"exit_code"\s*:\s*|exit (?:status|code) )(-?\d+)', re.IGNORECASE)
@@ -138,28 +165,52 @@ _COMMIT_RESULT = re.compile(r"^\[([\w./+-]+)(?: \(root-commit\))? ([0-9a-f]{7,40
 PR_URL = re.compile(r"https://github\.com/[\w.-]+/[\w.-]+/pull/\d+")
 
 
-def command_heads(command: str) -> set[str]:
-    """'git commit', 'pytest', 'npm run' …: what makes two command lines 'the same command'."""
-    heads: set[str] = set()
-    first_line = command.split("<<", 1)[0]
-    for segment in _SEGMENT_SPLIT.split(first_line):
+def _segments(command: str) -> list[list[str]]:
+    """The words of each simple command of a command line (its first line, before any heredoc), from the program
+    on: variable assignments and noise (`sudo`, `time`, `echo` …) dropped, segments that only move the shell
+    (`cd`, `source`, `export`) left out."""
+    out: list[list[str]] = []
+    for segment in _SEGMENT_SPLIT.split(command.split("<<", 1)[0]):
         words = [w for w in segment.strip().split() if w]
         while words and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", words[0]) or words[0] in _NOISE_PROGRAMS):
             if words[0] in ("source", ".", "cd", "unset", "export"):
                 words = []
                 break
             words = words[1:]
-        if not words:
-            continue
-        prog = words[0].rsplit("/", 1)[-1]
+        if words:
+            out.append([words[0].rsplit("/", 1)[-1], *words[1:]])
+    return out
+
+
+def command_heads(command: str) -> set[str]:
+    """'git commit', 'pytest', 'npm run' …: what makes two command lines 'the same command'."""
+    heads: set[str] = set()
+    for prog, *args in _segments(command):
         if PLUMBING.match(prog) or prog in ("head", "tail", "xargs", "tee", "sort", "uniq", "cut", "tr"):
             continue
-        rest = [w for w in words[1:] if not w.startswith("-") or w == "-m"]
+        rest = [w for w in args if not w.startswith("-") or w == "-m"]
         if prog in _MULTI and len(rest) > 1 and rest[0] in ("run", "exec", "x", "-m", "test"):
             heads.add(f"{prog} {rest[0]} {rest[1]}")
         else:
             heads.add(f"{prog} {rest[0]}" if prog in _MULTI and rest else prog)
     return heads
+
+
+# Programs that only show files or list them (filters of their output included): what they print is a copy of
+# the repository, which a later agent can read itself.
+_VIEWERS = frozenset({"cat", "head", "tail", "less", "more", "bat", "nl", "sed", "awk", "rg", "grep", "egrep", "find",
+                      "fd", "ls", "ll", "tree", "wc", "stat", "file", "sort", "uniq", "cut", "tr", "xargs", "jq",
+                      "printf", "pwd", "test", "Get-Content", "gc", "type", "Select-String", "Get-ChildItem", "dir",
+                      "Get-Item", "Select-Object"})
+
+
+def only_views_files(command: str) -> bool:
+    """Does this command line only show or list files (`cat`, `sed -n`, `rg`, `ls`, PowerShell's `Get-Content` …)?
+    A `sed` that edits in place (`-i`) changes them."""
+    segments = _segments(command)
+    return bool(segments) and all(
+        prog in _VIEWERS and not (prog == "sed" and any(a.startswith("-i") for a in args))
+        for prog, *args in segments)
 
 
 def short_command(command: str, limit: int = 80) -> str:
@@ -186,14 +237,15 @@ def first_error_line(output: str) -> str:
     return clip((named or lines)[0], 140) if lines else ""
 
 
-def commit_subject(command: str, output: str) -> tuple[str, str] | None:
-    """(sha, subject) of a `git commit`, from git's own `[branch sha] subject` line, else from the command's message
-    (`-m "…"`, `-am '…'`, or a heredoc `-m "$(cat <<'EOF' … EOF)"`); sha is "" when only the command said it."""
+def commit_subject(command: str, output: str) -> tuple[str, str, str] | None:
+    """(sha, subject, branch) of a `git commit`, from git's own `[branch sha] subject` line, else from the command's
+    message (`-m "…"`, `-am '…'`, or a heredoc `-m "$(cat <<'EOF' … EOF)"`); sha and branch are "" when only the
+    command said it."""
     if not re.search(r"\bgit\b(?:\s+-\S+(?:\s+\S+)?)*\s+commit\b", command):
         return None
     match = _COMMIT_RESULT.search(output)
     if match:
-        return match.group(2)[:7], match.group(3).strip()
+        return match.group(2)[:7], match.group(3).strip(), match.group(1)
     subject = ""
     message = re.search(r"""(?:\s-[a-zA-Z]*m|--message)(?:=|\s+)(?:"((?:[^"\\]|\\.)*)"|'([^']*)'|(\S+))""", command)
     if message:
@@ -202,7 +254,7 @@ def commit_subject(command: str, output: str) -> tuple[str, str] | None:
         heredoc = re.search(r"<<'?(\w+)'?\s*\n(.*?)\n\s*\1", command, re.DOTALL)
         subject = heredoc.group(2) if heredoc else ""
     subject = subject.replace("\\n", "\n").strip()
-    return ("", subject.splitlines()[0].strip()) if subject else None
+    return ("", subject.splitlines()[0].strip(), "") if subject else None
 
 
 def test_summary(output: str) -> str:

@@ -48,7 +48,10 @@ MODE_WEIGHTS: dict[str, dict[str, float]] = {
 GRAPH_POSTINGS = 1000
 COLLAPSE_POOL = 4  # candidates per slot read for the provenance collapse
 NEAR_DUPLICATE = 0.75  # a hit sharing this share of its terms with a better one takes no slot
-TOP_ROOM = 3  # EXPERIMENT
+SPARE_HITS = 10  # hits kept past the limit, to move up when a hit shown collapses into another
+REPEATED = 0.8  # a hit whose terms are this share of a shown one's shows nothing new ...
+REPEAT_MIN_TERMS = 8  # ... when it has this many (a few words are held by many texts)
+VIEW_PRIOR = 0.5  # see `views_files`: 0.4–0.8 all lift coding QA (all@5 .57 → .60–.62)
 DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passage's score takes the passage's slot
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
 FTS_BUDGET = 10_000
@@ -60,6 +63,8 @@ TUNING: dict[str, tuple[type, Any, float, float]] = {
     "mixed": (bool, True, 0, 1),  # KNN over neighbour-mixed vectors (else the raw ones)
     "prefilter": (int, PREFILTER, 1, 100_000),  # 1-bit candidates re-ranked with float vectors
     "fts_budget": (int, FTS_BUDGET, 1, 10_000_000),  # see prune_terms
+    "view_prior": (float, VIEW_PRIOR, 0.0, 1.0),  # share of its fused score a passage of a file view keeps
+    "repeated": (float, REPEATED, 0.0, 2.0),  # see `_repeats`; over 1 never
 }
 
 
@@ -431,11 +436,20 @@ async def search_hits(
     fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, active, knobs["rrf_k"])
     # Collapse by provenance: a candidate whose source events a better one already cites takes no slot of its own
     # (the passages of one tool result, a memory and the evidence it came from); enough candidates for the slots.
-    candidates = fused[: limit * COLLAPSE_POOL]
-    sources = await _sources(ctx.store, [f[0] for f in candidates])
+    # A passage of a step that only showed files (a Read, `cat`, `rg`) keeps a share of its score: it is a copy of
+    # the repository, long and rich in every term, while the answer is what the session said or did about it.
+    # Twice the pool is read, so what the others drop to makes room for what rises.
+    looked = fused[: 2 * limit * COLLAPSE_POOL]
     rows = await ctx.store.fetchall("SELECT m.* FROM memories m WHERE m.id IN (SELECT value FROM json_each(?))",
-                                    [json.dumps([f[0] for f in candidates])])
+                                    [json.dumps([f[0] for f in looked])])
     by_id = {row["id"]: row for row in rows}
+    if knobs["view_prior"] < 1:
+        viewed = {i for i, row in by_id.items() if views_files(row["kind"], row["meta"])}
+        share = knobs["view_prior"]
+        looked = sorted(((i, score * share if i in viewed else score, parts) for i, score, parts in looked),
+                        key=lambda f: (-f[1], f[0]))
+    candidates = looked[: limit * COLLAPSE_POOL]
+    sources = await _sources(ctx.store, [f[0] for f in candidates])
     # Out of date (superseded by a later memory) ranks below everything current, its successor included.
     candidates.sort(key=lambda f: f[0] in by_id and by_id[f[0]]["superseded_by"] is not None)
     raw = {s: dict(items) for s, items in scored.items()}
@@ -462,7 +476,7 @@ async def search_hits(
                        and not (evidence and cited[e].memory["kind"] == "evidence"
                                 and set(sources.get(cited[e].memory["id"], ())) != set(mine))), None)
         if holder is None:
-            if len(results) < limit:
+            if len(results) < limit + SPARE_HITS:
                 results.append(hit)
                 if evidence:
                     kept_words.append((hit, words))
@@ -476,8 +490,8 @@ async def search_hits(
             cited.update((e, hit) for e in (*mine, *(e for e, h in cited.items() if h is holder)))
         else:
             holder.memory.setdefault("collapsed", []).append(memory_id)
-    await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query, window_chars,
-                        max(lead_chars, window_chars))
+    results = await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query,
+                                  window_chars, max(lead_chars, window_chars), limit, knobs["repeated"])
     timings["fuse_ms"] = _ms(t)
     timings["total_ms"] = _ms(started)
     if report is not None:
@@ -498,36 +512,62 @@ def dense_wins(terms: Sequence[str], dense: Mapping[str, Any], passage: Mapping[
     return mine > theirs or (mine >= theirs - 1 and dense["score"] >= DENSE_WINS * passage["score"])
 
 
+def views_files(kind: str, meta: str | None) -> bool:
+    """Is this memory a passage of a step that only showed or listed files (`workers/evidence.views_files`)?"""
+    if kind != "evidence" or not meta or '"views"' not in meta:
+        return False
+    try:
+        return json.loads(meta).get("views") is True
+    except ValueError:
+        return False
+
+
 def _ms(started: float) -> float:
     return round((time.perf_counter() - started) * 1000, 3)
 
 
 async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, Any],
-                        sources: Mapping[int, tuple[int, ...]], query: str, budget: int, lead: int) -> None:
-    """Each evidence hit shows the windows of its whole step that match the query (`search/windows.py`): the first
-    hit `lead` characters of them, the others `budget`."""
-    if not any(hit.memory["kind"] == "evidence" for hit in hits):
-        return  # the common case of the hook's keyword recall: nothing to stem, nothing to read
-
+                        sources: Mapping[int, tuple[int, ...]], query: str, budget: int, lead: int,
+                        limit: int, repeated: float = REPEATED) -> list[Hit]:
+    """The first `limit` hits as shown: each evidence hit shows the windows of its whole step that match the query
+    (`search/windows.py`), the first hit `lead` characters of them, the others `budget`. A hit that shows nearly the
+    words of one shown before it (two steps that repeat one commit message, one summary: `_repeats`) takes no
+    slot: it is collapsed into that one, and the next hit moves up."""
     terms = query_terms(query)  # once, not per line
 
     def holds(line: str) -> frozenset[str]:
         return held_terms(terms, line)
 
-    for rank, hit in enumerate(hits):
+    shown: list[tuple[Hit, frozenset[str]]] = []
+    for hit in hits:
+        if len(shown) == limit:
+            break
         memory_id = hit.memory["id"]
         head = passage_head(metas.get(memory_id)) if hit.memory["kind"] == "evidence" else None
         events = sources.get(memory_id, ())
-        if head is None or not events:
+        if head is not None and events:
+            rows = await store.fetchall(
+                "SELECT m.text, m.meta FROM memory_sources s JOIN memories m ON m.id = s.memory_id WHERE"
+                " s.event_id = ? AND m.kind = 'evidence' AND m.archived_at IS NULL", (events[0],))
+            parts = sorted((json.loads(r["meta"] or "{}").get("part", 0), r["text"]) for r in rows
+                           if passage_head(r["meta"]) == head)
+            room = lead if not shown else budget
+            if len(parts) > 1 or len(hit.memory["text"]) > room:
+                hit.memory["text"] = best_windows(head, merge_passages(head, [text for _, text in parts]), holds,
+                                                  room)
+        words = frozenset(query_terms(hit.memory["text"], limit=None))
+        twin = next((h for h, w in shown if _repeats(words, w, repeated)), None)
+        if twin is not None:
+            twin.memory.setdefault("collapsed", []).extend([memory_id, *hit.memory.get("collapsed", [])])
             continue
-        rows = await store.fetchall(
-            "SELECT m.text, m.meta FROM memory_sources s JOIN memories m ON m.id = s.memory_id WHERE s.event_id = ?"
-            " AND m.kind = 'evidence' AND m.archived_at IS NULL", (events[0],))
-        parts = sorted((json.loads(r["meta"] or "{}").get("part", 0), r["text"]) for r in rows
-                       if passage_head(r["meta"]) == head)
-        room = lead if rank == 0 else budget
-        if len(parts) > 1 or len(hit.memory["text"]) > room:
-            hit.memory["text"] = best_windows(head, merge_passages(head, [text for _, text in parts]), holds, room)
+        shown.append((hit, words))
+    return [hit for hit, _ in shown]
+
+
+def _repeats(mine: frozenset[str], shown: frozenset[str], share: float = REPEATED) -> bool:
+    """A hit whose words are nearly all in one shown before it (the same block, a shorter window of it) shows
+    nothing new."""
+    return len(mine) >= REPEAT_MIN_TERMS and len(mine & shown) >= share * len(mine)
 
 
 def _near(a: frozenset[str], b: frozenset[str]) -> bool:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from loomd.ingest.reading import EDIT_TOOLS, clip, short_command
+from loomd.ingest.reading import EDIT_TOOLS, clip, only_views_files, short_command
 from loomd.workers.steps import Step
 
 PASSAGE_CHARS = 720  # a passage, header included: 5 of them stay within 900 tokens, most far less
@@ -40,10 +40,11 @@ class Evidence:
     head: str  # the header every passage of the step opens with
     part: int  # this passage's place among the step's passages
     context: str = ""  # its neighbours in the session (the full-text index's down-weighted `ctx` column)
+    views: bool = False  # the step only showed or listed files (`views_files`)
 
     def meta(self) -> dict[str, object]:
-        """What search needs to put the step back together (`search.retrieval.item_windows`)."""
-        return {"head": self.head, "part": self.part}
+        """What search needs to put the step back together (`search.retrieval.item_windows`) and to weigh it."""
+        return {"head": self.head, "part": self.part, **({"views": True} if self.views else {})}
 
 
 def _value(value: Any) -> str:
@@ -71,6 +72,19 @@ def tool_input_text(step: Step) -> str:
     return _value(inp) if inp else ""
 
 
+# Tools that only show or list files: what they return is a copy of the repository.
+VIEW_TOOLS = frozenset({"Read", "Grep", "Glob", "LS", "NotebookRead", "read_file", "list_dir", "list_files",
+                        "view", "view_file", "search_files", "grep_search", "file_search"})
+
+
+def views_files(step: Step) -> bool:
+    """Did this tool call only show or list files (Read, Grep, `cat`, `sed -n`, `rg`, `ls` …)? Its passages rank
+    below what the session said and did about them (`search.retrieval`)."""
+    if step.role != "run":
+        return False
+    return only_views_files(step.command) if step.command else step.tool in VIEW_TOOLS
+
+
 def header(step: Step) -> str:
     """Where a passage comes from, in a few words."""
     if step.role == "run":
@@ -78,6 +92,8 @@ def header(step: Step) -> str:
             return f"{step.tool or 'shell'} `{short_command(step.command, 70)}`:"
         target = step.tool_input.get("file_path") or step.tool_input.get("path") or ""
         return f"{step.tool} {clip(str(target), 70)}:" if target else f"{step.tool}:"
+    if step.role == "user" and step.lane != "main":
+        return "Subagent task:"  # a subagent's prompt is the parent agent's brief, not the user's voice
     return {"user": "User:", "assistant": "Assistant:", "compact": "Compaction summary:",
             "summary": "Summary:"}.get(step.role, f"{step.role}:")
 
@@ -169,7 +185,9 @@ def evidence_of(steps: Sequence[Step], new_ids: set[int]) -> list[Evidence]:
         if len(text.strip()) < MIN_PASSAGE_CHARS:
             continue
         head = header(step)
-        out += [Evidence(p, step.ts, list(step.ids), step.role, head, i) for i, p in enumerate(passages(text, head))]
+        views = views_files(step)
+        out += [Evidence(p, step.ts, list(step.ids), step.role, head, i, views=views)
+                for i, p in enumerate(passages(text, head))]
     return with_context(out)
 
 

@@ -108,6 +108,8 @@ class _Lane:
     edited: list[tuple[str, Step]] = field(default_factory=list)
     todos: tuple[Step, list[tuple[str, str]]] | None = None
     runs: int = 0
+    last_ask: Step | None = None  # the user's latest prompt (main lane)
+    last_said: Step | None = None  # the agent's latest message, kept past the end of its turn
 
 
 class RuleObserver:
@@ -141,6 +143,8 @@ class RuleObserver:
             self.close_turn(lane, sidechain=name != "main")
             if self.final:
                 self.open_todos(lane)
+        if self.final and steps and "main" in self.lanes:
+            self.stopped(self.lanes["main"], steps[-1])
         for command, (step, runs, summary) in self.procedures.items():
             label = "Tests pass" if TEST_COMMAND.search(command) else "Works"
             # Claude's Bash calls say what they are for: "which command does what" is the point of a procedure.
@@ -163,6 +167,7 @@ class RuleObserver:
             if brief:
                 self.emit("goal", f"Subagent task: {' '.join(brief[:2])}", step, lane=step.lane)
             return
+        lane.last_ask = step
         self.user_voice(step.text, step, "User asked")
 
     def user_voice(self, text: str, step: Step, lead: str, steers: bool = False) -> None:
@@ -198,7 +203,7 @@ class RuleObserver:
             if kind and taken < 3:
                 taken += 1
                 self.emit(kind, FILLER.sub("", sentence), step, by="assistant")
-        lane.last_assistant = step
+        lane.last_assistant = lane.last_said = step
         if step.final:
             self.close_turn(lane, sidechain=step.lane != "main")
 
@@ -220,6 +225,17 @@ class RuleObserver:
             self.emit("progress", "Edited " + ", ".join(paths[:6]), lane.edited[-1][1],
                       [s for _, s in lane.edited], files=paths[:20])
         lane.last_assistant, lane.created, lane.edited = None, [], []
+
+    def stopped(self, lane: _Lane, end: Step) -> None:
+        """Where the session stopped: the user's last request and the agent's last words, noted on its last step.
+        "Where did we leave off" is a next session's first question, and the last turn is rarely summarised."""
+        ask = " ".join(clean_user_text(lane.last_ask.text).split()) if lane.last_ask else ""
+        said = " ".join(lane.last_said.text.split()) if lane.last_said else ""
+        if not (ask or said):
+            return
+        parts = [f"the user last asked: {clip(ask, 80)}" if ask else "", f"the agent last said: {said}" if said else ""]
+        self.emit("progress", "Session stopped; " + "; ".join(p for p in parts if p), end,
+                  [s for s in (lane.last_ask, lane.last_said) if s is not None], ending=True)
 
     def open_todos(self, lane: _Lane) -> None:
         if lane.todos is None:
@@ -420,8 +436,10 @@ class RuleObserver:
             self.resolved.setdefault(short_command(command, 150), []).extend(fixed.step.ids)
         commit = commit_subject(command, step.text)
         if commit:
-            sha, subject = commit
-            self.emit("decision", f"Committed{' ' + sha if sha else ''}: {subject}", step, commit=sha or None)
+            sha, subject, branch = commit
+            # git's own `[branch sha]` when it printed one: where the work went is half of what a commit says.
+            ref = f" [{branch} {sha}]" if branch else f" {sha}" if sha else ""
+            self.emit("decision", f"Committed{ref}: {subject}", step, commit=sha or None, branch=branch or None)
             return
         url = PR_URL.search(step.text) if re.search(r"\bgh\s+pr\s+create\b", command) else None
         if url:
