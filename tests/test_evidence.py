@@ -67,16 +67,21 @@ def test_a_tool_run_is_its_input_and_its_result_and_a_call_seen_twice_counts_onc
 
 def test_what_a_step_only_viewed_and_whose_words_a_subagent_prompt_holds() -> None:
     """A passage says where it came from: a subagent's prompt is its parent agent's brief, never "User:"; a step
-    that only showed or listed files (Read, `sed -n`, `rg`, `ls`) is marked so search can rank
-    it below what the session said and did (`view_prior`); one that also changed something is not."""
+    that only showed or listed files (Read, `sed -n`, `rg`, `ls`) or a message that only announces the next step is
+    an aside, which search ranks below what the session said and did (`aside_prior`); a step that also changed
+    something, or a message that reports, is not."""
     brief = Step("user", "You are a Go expert tasked with cleaning up unused code.", 1.0, [1], lane="agent-1")
     user = Step("user", "also use tdd and serena and the mcp tools", 2.0, [2])
     read = Step("run", "package main\nfunc main() {}", 3.0, [3], tool="Read", tool_input={"file_path": "main.go"})
     cat = Step("run", "[tool]\nname = 'x'", 4.0, [4], tool="Bash", command="cd app && sed -n '1,40p' pyproject.toml")
     edit = Step("run", "ok", 5.0, [5], tool="Bash", command="sed -i 's/a/b/' f.txt && cat f.txt")
-    found = {e.sources[0]: e for e in evidence_of([brief, user, read, cat, edit], {1, 2, 3, 4, 5})}
+    announce = Step("assistant", "Perfect! Now let me check the remaining lint warnings:", 6.0, [6])
+    report = Step("assistant", "Let me summarise: the lint warnings came from generated files; all 12 are fixed.",
+                  7.0, [7])
+    found = {e.sources[0]: e for e in evidence_of([brief, user, read, cat, edit, announce, report],
+                                                  {1, 2, 3, 4, 5, 6, 7})}
     assert found[1].head == "Subagent task:" and found[2].head == "User:"
-    assert [i for i, e in sorted(found.items()) if e.meta().get("views")] == [3, 4]
+    assert [i for i, e in sorted(found.items()) if e.meta().get("aside")] == [3, 4, 6]
 
 
 def _deep_line(path: Path) -> str:
@@ -106,10 +111,10 @@ async def test_a_line_deep_in_a_tool_result_is_found_as_evidence(client: AsyncCl
     found = await client.call("search", query=line, mode="keyword", project=project, limit=5)
     evidence = [r for r in found["results"] if r["kind"] == "evidence" and line in r["text"]]
     assert evidence, (line, [r["text"][:80] for r in found["results"]])
-    # The step is a Read, whose passages rank below what the session said (`view_prior`); without that prior it
+    # The step is a Read, whose passages rank below what the session said (`aside_prior`); without that prior it
     # is the first hit.
     found = await client.call("search", query=line, mode="keyword", project=project, limit=5,
-                              tuning={"view_prior": 1.0})
+                              tuning={"aside_prior": 1.0})
     evidence = [r for r in found["results"] if r["kind"] == "evidence" and line in r["text"]]
     # The first hit shows up to twice a passage's room of its step (this step is long: it does), the others one.
     first, *rest = found["results"]
@@ -252,7 +257,7 @@ def _said(text: str) -> dict[str, Any]:
 
 async def test_a_view_of_a_file_ranks_below_what_the_session_said_about_it(client: AsyncClient) -> None:
     """A Read returns a copy of the repository: long and rich in every term of the question. What the session
-    concluded from it is the answer; the view keeps a share of its score (`view_prior`)."""
+    concluded from it is the answer; the view keeps a share of its score (`aside_prior`)."""
     doc = "\n".join(["# Uploader retry budget", "The uploader retries a failed upload up to the retry budget.",
                      "Each retry of the uploader waits longer: exponential backoff between uploads.",
                      "The retry budget of the uploader is set in config/uploader.toml (retry budget = 3).",
@@ -267,7 +272,7 @@ async def test_a_view_of_a_file_ranks_below_what_the_session_said_about_it(clien
     ranked = (await client.call("search", query=query, mode="keyword", project=project, limit=5))["results"]
     assert "from 3 to 8" in ranked[0]["text"], ranked
     plain = (await client.call("search", query=query, mode="keyword", project=project, limit=5,
-                               tuning={"view_prior": 1.0}))["results"]
+                               tuning={"aside_prior": 1.0}))["results"]
     assert plain[0]["text"].startswith("Read docs/uploader.md:"), plain  # without the prior the view wins
 
 

@@ -51,7 +51,7 @@ NEAR_DUPLICATE = 0.75  # a hit sharing this share of its terms with a better one
 SPARE_HITS = 10  # hits kept past the limit, to move up when a hit shown collapses into another
 REPEATED = 0.8  # a hit whose terms are this share of a shown one's shows nothing new ...
 REPEAT_MIN_TERMS = 8  # ... when it has this many (a few words are held by many texts)
-VIEW_PRIOR = 0.5  # see `views_files`: 0.4–0.8 all lift coding QA (all@5 .57 → .60–.62)
+ASIDE_PRIOR = 0.5  # see `is_aside`: 0.4–0.8 all lift coding QA (all@5 .57 → .60–.62)
 DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passage's score takes the passage's slot
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
 FTS_BUDGET = 10_000
@@ -63,7 +63,7 @@ TUNING: dict[str, tuple[type, Any, float, float]] = {
     "mixed": (bool, True, 0, 1),  # KNN over neighbour-mixed vectors (else the raw ones)
     "prefilter": (int, PREFILTER, 1, 100_000),  # 1-bit candidates re-ranked with float vectors
     "fts_budget": (int, FTS_BUDGET, 1, 10_000_000),  # see prune_terms
-    "view_prior": (float, VIEW_PRIOR, 0.0, 1.0),  # share of its fused score a passage of a file view keeps
+    "aside_prior": (float, ASIDE_PRIOR, 0.0, 1.0),  # share of its fused score an aside's passage keeps
     "repeated": (float, REPEATED, 0.0, 2.0),  # see `_repeats`; over 1 never
 }
 
@@ -436,17 +436,17 @@ async def search_hits(
     fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, active, knobs["rrf_k"])
     # Collapse by provenance: a candidate whose source events a better one already cites takes no slot of its own
     # (the passages of one tool result, a memory and the evidence it came from); enough candidates for the slots.
-    # A passage of a step that only showed files (a Read, `cat`, `rg`) keeps a share of its score: it is a copy of
-    # the repository, long and rich in every term, while the answer is what the session said or did about it.
-    # Twice the pool is read, so what the others drop to makes room for what rises.
+    # A passage of an aside (a step that only showed files: a Read, `cat`, `rg`; a message that only announces the
+    # next step) keeps a share of its score: the answer is what the session found, said or did. Twice the pool is
+    # read, so what the others drop to makes room for what rises.
     looked = fused[: 2 * limit * COLLAPSE_POOL]
     rows = await ctx.store.fetchall("SELECT m.* FROM memories m WHERE m.id IN (SELECT value FROM json_each(?))",
                                     [json.dumps([f[0] for f in looked])])
     by_id = {row["id"]: row for row in rows}
-    if knobs["view_prior"] < 1:
-        viewed = {i for i, row in by_id.items() if views_files(row["kind"], row["meta"])}
-        share = knobs["view_prior"]
-        looked = sorted(((i, score * share if i in viewed else score, parts) for i, score, parts in looked),
+    if knobs["aside_prior"] < 1:
+        asides = {i for i, row in by_id.items() if is_aside(row["kind"], row["meta"])}
+        share = knobs["aside_prior"]
+        looked = sorted(((i, score * share if i in asides else score, parts) for i, score, parts in looked),
                         key=lambda f: (-f[1], f[0]))
     candidates = looked[: limit * COLLAPSE_POOL]
     sources = await _sources(ctx.store, [f[0] for f in candidates])
@@ -512,12 +512,12 @@ def dense_wins(terms: Sequence[str], dense: Mapping[str, Any], passage: Mapping[
     return mine > theirs or (mine >= theirs - 1 and dense["score"] >= DENSE_WINS * passage["score"])
 
 
-def views_files(kind: str, meta: str | None) -> bool:
-    """Is this memory a passage of a step that only showed or listed files (`workers/evidence.views_files`)?"""
-    if kind != "evidence" or not meta or '"views"' not in meta:
+def is_aside(kind: str, meta: str | None) -> bool:
+    """Is this memory a passage of a step that says nothing of its own (`workers/evidence.is_aside`)?"""
+    if kind != "evidence" or not meta or '"aside"' not in meta:
         return False
     try:
-        return json.loads(meta).get("views") is True
+        return json.loads(meta).get("aside") is True
     except ValueError:
         return False
 

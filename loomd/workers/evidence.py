@@ -40,11 +40,11 @@ class Evidence:
     head: str  # the header every passage of the step opens with
     part: int  # this passage's place among the step's passages
     context: str = ""  # its neighbours in the session (the full-text index's down-weighted `ctx` column)
-    views: bool = False  # the step only showed or listed files (`views_files`)
+    aside: bool = False  # the step says nothing of its own (`is_aside`)
 
     def meta(self) -> dict[str, object]:
         """What search needs to put the step back together (`search.retrieval.item_windows`) and to weigh it."""
-        return {"head": self.head, "part": self.part, **({"views": True} if self.views else {})}
+        return {"head": self.head, "part": self.part, **({"aside": True} if self.aside else {})}
 
 
 def _value(value: Any) -> str:
@@ -77,9 +77,25 @@ VIEW_TOOLS = frozenset({"Read", "Grep", "Glob", "LS", "NotebookRead", "read_file
                         "view", "view_file", "search_files", "grep_search", "file_search"})
 
 
-def views_files(step: Step) -> bool:
-    """Did this tool call only show or list files (Read, Grep, `cat`, `sed -n`, `rg`, `ls` …)? Its passages rank
-    below what the session said and did about them (`search.retrieval`)."""
+# An assistant message that only announces what comes next ("Now let me check the logs:").
+_ANNOUNCEMENT = re.compile(
+    r"^(?:(?:perfect|great|excellent|good|now|ok|okay|alright|got it|you're (?:absolutely )?right)[!,.]?\s+)*"
+    r"(?:let me|let's|i'll|i will|i need to|i'm going to|now i'll|next,? i'll|now let me)\b", re.IGNORECASE)
+ANNOUNCEMENT_CHARS = 300  # longer messages usually report something too
+_SAYS_MORE = re.compile(r"[:;]\s+\S")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def is_aside(step: Step) -> bool:
+    """Does this step say nothing of its own? A tool call that only showed or listed files (Read, Grep, `cat`,
+    `sed -n`, `rg`, `ls` …: a copy of the repository, long and rich in every term of a question), or an assistant
+    message that only announces what it will do next. Their passages rank below what the session found, said and
+    did (`search.retrieval`, tuning `aside_prior`)."""
+    if step.role == "assistant":
+        text = step.text.strip()
+        # Only the announcement: nothing after a colon, at most a filler sentence before it ("Perfect! Now let me …").
+        return (len(text) <= ANNOUNCEMENT_CHARS and bool(_ANNOUNCEMENT.match(text)) and not _SAYS_MORE.search(text)
+                and len(_SENTENCE_END.split(text)) <= 2)
     if step.role != "run":
         return False
     return only_views_files(step.command) if step.command else step.tool in VIEW_TOOLS
@@ -185,8 +201,8 @@ def evidence_of(steps: Sequence[Step], new_ids: set[int]) -> list[Evidence]:
         if len(text.strip()) < MIN_PASSAGE_CHARS:
             continue
         head = header(step)
-        views = views_files(step)
-        out += [Evidence(p, step.ts, list(step.ids), step.role, head, i, views=views)
+        aside = is_aside(step)
+        out += [Evidence(p, step.ts, list(step.ids), step.role, head, i, aside=aside)
                 for i, p in enumerate(passages(text, head))]
     return with_context(out)
 
