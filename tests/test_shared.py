@@ -393,3 +393,32 @@ async def test_shared_search_queries_the_server(pg: PgServer, home: Path, monkey
         assert semantic["results"][0]["signals"].get("vec") == 1
         errors = await a.call("search", {"query": "test", "scope": "shared", "kind": ["error"], "project": PROJECT})
         assert [r["kind"] for r in errors["results"]] == ["error"]
+
+
+async def test_a_supersession_whose_target_comes_in_a_later_pull_batch_resolves_when_it_arrives(
+        pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    team, roles = await make_team(pg, "ivan", "judy")
+    ivan, judy = roles
+    # B pulls one row per batch: the old memory (first by global id, the older one) comes a batch before its
+    # replacement, so its link names a memory B does not hold yet.
+    env_b = machine_env(pg, second_home, team, judy, roles[judy], "j1", LOOMD_SHARED_BATCH="1")
+    async with machine(monkeypatch, machine_env(pg, home, team, ivan, roles[ivan], "i1")) as a, \
+            machine(monkeypatch, env_b) as b:
+        old = await a.call("store", {"text": "Decision: deploys go out on Tuesdays", "kind": "decision",
+                                     "project": PROJECT})
+        await asyncio.sleep(0.01)  # a later millisecond: a later global id
+        new = await a.call("store", {"text": "Decision: deploys go out on Thursdays after the freeze",
+                                     "kind": "decision", "project": PROJECT})
+        await a.call("supersede", {"id": new["id"], "old": [old["id"]]})
+        assert (await a.sync())["push"]["inserted"] == 2
+        assert (await b.sync())["pull"]["inserted"] == 2
+        by_text = {r["text"]: r for r in (await b.call("memories", {"project": PROJECT, "state": "all"}))["memories"]}
+        b_old, b_new = by_text["Decision: deploys go out on Tuesdays"], by_text[
+            "Decision: deploys go out on Thursdays after the freeze"]
+        assert b_old["superseded_by"] == b_new["id"] and b_new["superseded_by"] is None
+        # Resolving the link is sync's own write: nothing is queued, nothing echoes back to the server.
+        assert (await b.call("shared_status"))["push_queue"] == 0
+        assert (await b.sync())["push"] == {"inserted": 0, "updated": 0, "same": 0, "lost": 0}
+        assert await admin(pg, "SELECT * FROM loomd.memory_history WHERE team = $1", team) == []
+        assert {(r["text"][:30], r["changed_by"]) for r in await server_rows(pg, team)} == {
+            ("Decision: deploys go out on Tu", "i1"), ("Decision: deploys go out on Th", "i1")}
