@@ -361,3 +361,12 @@ def m009_shared_links(db: sqlite3.Connection) -> None:
         {_share_update_trigger(_shareable(), " AND new.superseded_gid IS old.superseded_gid")}
         """
     )
+
+
+@migration
+def m010_shared_evidence(db: sqlite3.Connection) -> None:
+    """Evidence passages of the projects opted in to share them (`shared_evidence_projects`): a push finds this
+    machine's passages not yet on the server (never agreed a version: `shared_changed` NULL) by an index, not by
+    reading every passage of the project each batch. Passages are written once, so no outbox is needed."""
+    db.execute("CREATE INDEX memories_evidence_unshared ON memories(project, id)"
+               " WHERE kind = 'evidence' AND shared_changed IS NULL AND device IS NULL")

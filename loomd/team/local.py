@@ -51,11 +51,30 @@ async def assign_gids(db: aiosqlite.Connection, private: Collection[str], limit:
     """Give a global id to queued memories that have none, committed before any push: a push cut short and
     replayed sends the same ids, so the server never sees one memory twice."""
     clause, params = _private_clause(private)
-    rows = list(await db.execute_fetchall(
-        f"SELECT m.id, m.created FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
-        f" WHERE m.gid IS NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?", (*params, limit)))
+    return await _give_gids(db, f"SELECT m.id, m.created FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
+                                f" WHERE m.gid IS NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?",
+                            (*params, limit))
+
+
+async def assign_evidence_gids(db: aiosqlite.Connection, project: str, limit: int) -> int:
+    """The same for a project's evidence passages not yet pushed (an opted-in project, `evidence_outgoing`)."""
+    return await _give_gids(db, f"SELECT m.id, m.created FROM memories m WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NULL"
+                                " ORDER BY m.id LIMIT ?", (project, limit))
+
+
+async def _give_gids(db: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> int:
+    rows = list(await db.execute_fetchall(sql, params))
     await db.executemany("UPDATE memories SET gid = ? WHERE id = ?", [(uuid7(r[1]), r[0]) for r in rows])
     return len(rows)
+
+
+# What a pushed row is read with: the memory, the vector when it is computed, how many source events it has.
+_ROW = ("m.*, v.model AS vmodel, v.vec AS vec,"
+        " (SELECT count(*) FROM memory_sources ms WHERE ms.memory_id = m.id) AS nsources")
+_VECTOR = " LEFT JOIN memory_vectors v ON v.memory_id = m.id AND v.content_hash = m.content_hash"
+# This machine's evidence passages of one project that the server does not hold yet (store migration m010's index);
+# pulled ones (`device` set) came from the server.
+_UNSHARED_EVIDENCE = "m.project = ? AND m.kind = 'evidence' AND m.shared_changed IS NULL AND m.device IS NULL"
 
 
 async def outgoing(db: aiosqlite.Connection, who: Identity, private: Collection[str], limit: int) -> list[Outgoing]:
@@ -63,16 +82,24 @@ async def outgoing(db: aiosqlite.Connection, who: Identity, private: Collection[
     stored), with a provenance summary (never the evidence itself) and the vector when it is computed."""
     clause, params = _private_clause(private)
     rows = list(await db.execute_fetchall(
-        f"SELECT m.*, o.changed AS queued, v.model AS vmodel, v.vec AS vec,"
+        f"SELECT {_ROW}, o.changed AS queued,"
         # The link as this machine knows it: a local one by its target's global id, else one still waiting for
         # its target (pulled before it): a local edit of such a memory must not drop the server's link.
-        f" CASE WHEN m.superseded_by IS NULL THEN m.superseded_gid ELSE s.gid END AS superseded_target,"
-        f" (SELECT count(*) FROM memory_sources ms WHERE ms.memory_id = m.id) AS nsources"
+        f" CASE WHEN m.superseded_by IS NULL THEN m.superseded_gid ELSE s.gid END AS superseded_target"
         f" FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
-        f" LEFT JOIN memories s ON s.id = m.superseded_by"
-        f" LEFT JOIN memory_vectors v ON v.memory_id = m.id AND v.content_hash = m.content_hash"
+        f" LEFT JOIN memories s ON s.id = m.superseded_by{_VECTOR}"
         f" WHERE m.gid IS NOT NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?", (*params, limit)))
     # Redaction and the vectors' copies are CPU work: off the event loop, which serves the hooks meanwhile.
+    return await asyncio.to_thread(_outgoing_rows, rows, who)
+
+
+async def evidence_outgoing(db: aiosqlite.Connection, who: Identity, project: str, limit: int) -> list[Outgoing]:
+    """A project's evidence passages not yet on the server, oldest first, as server rows: their text re-redacted
+    like a memory's, never the raw events they cite (the provenance counts them). Sent once: a passage is never
+    edited, and `mark_pushed` records the version the server holds."""
+    rows = list(await db.execute_fetchall(
+        f"SELECT {_ROW}, m.updated AS queued, NULL AS superseded_target FROM memories m{_VECTOR}"
+        f" WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NOT NULL ORDER BY m.id LIMIT ?", (project, limit)))
     return await asyncio.to_thread(_outgoing_rows, rows, who)
 
 

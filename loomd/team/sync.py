@@ -119,15 +119,32 @@ class SyncEngine:
         await self.close()
 
     async def _push(self, conn: asyncpg.Connection, who: Identity, rounds: int) -> dict[str, int]:
+        """The outbox, then the evidence passages of each project opted in to share them."""
         counts = {"inserted": 0, "updated": 0, "same": 0, "lost": 0}
+        await self._push_queue(conn, who, rounds, counts, None)
+        for project in sorted(self.config().evidence_projects()):
+            await self._push_queue(conn, who, rounds, counts, project)
+        return counts
+
+    async def _push_queue(self, conn: asyncpg.Connection, who: Identity, rounds: int, counts: dict[str, int],
+                          evidence_of: str | None) -> None:
+        """Push batch by batch: the outbox, or with `evidence_of` that project's evidence passages. A private
+        project sends nothing, even one opted in to share its evidence; the list is read again every batch, so a
+        project made private mid-push stops at once."""
         batch = self.config().shared_batch
         for _ in range(rounds):
             private = self.private.current()
+            if evidence_of in private:
+                return
             async with self.store.atomic() as db:
-                await local.assign_gids(db, private, batch)
-            queued = await local.outgoing(self.store.reader, who, private, batch)
+                if evidence_of is None:
+                    await local.assign_gids(db, private, batch)
+                else:
+                    await local.assign_evidence_gids(db, evidence_of, batch)
+            queued = await (local.outgoing(self.store.reader, who, private, batch) if evidence_of is None
+                            else local.evidence_outgoing(self.store.reader, who, evidence_of, batch))
             if not queued:
-                break
+                return
             verdicts = await remote.push(conn, [o.row for o in queued])
             winners = [v.winner for v in verdicts if v.outcome == "lost" and v.winner is not None]
             async with self.memories.atomic() as db:
@@ -139,8 +156,7 @@ class SyncEngine:
             self.pushed += len(queued)
             self.conflicts_lost += len(winners)
             if len(queued) < batch:
-                break
-        return counts
+                return
 
     async def _pull(self, conn: asyncpg.Connection, who: Identity, rounds: int) -> dict[str, int]:
         counts = {"inserted": 0, "updated": 0, "skipped": 0}
