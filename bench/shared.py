@@ -8,7 +8,8 @@ not blur the numbers; pushed memories carry 384-d vectors written into the store
 - pull: B pulls all of them through the one memory-write path (entities, FTS); memories/s.
 - lag: A and B syncing on their scheduler (`shared_interval_s`), A written at a steady rate; the time from A's
   `store` to the row appearing in B's SQLite, p50/p99.
-- hook: `hook` round trips (PostToolUse) on A, same run, interleaved: while A pushes a large backlog, and idle.
+- hook: `hook` round trips (PostToolUse) on A, same run: idle, and while A pushes a large backlog interleaved with
+  round trips to a daemon that does not sync (the machine's load without A's own sync work).
 - search: at each `--rows` level, the server topped up with COPY (its GIN and HNSW indexes dropped, then built
   once, with the memory and parallel workers an admin gives a bulk load; progress on stderr), then `search` with
   `scope: "shared"` as the team's role under row-level security (full text + HNSW KNN fused by RRF), p50/p99 over
@@ -141,14 +142,21 @@ def hook_rtt(c: Client, i: int) -> float:
 
 
 def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, str], n: int) -> dict[str, Any]:
+    """A pushes its backlog while hooks go to A and, in turn, to C: a daemon with the same store that does not
+    sync. C feels what the whole machine feels (the server's inserts on the same CPUs), A that plus its own sync:
+    the difference between the two is the sync's local cost on the hook path."""
     a_proc = machine(pg, root, "a", team, roles["a"])
+    c_proc = machine(pg, root, "c", team, roles["b"])
     asyncio.run(seed_store(a_proc.home / "loomd.db", n, 1))
+    asyncio.run(seed_store(c_proc.home / "loomd.db", n, 1))
     out: dict[str, Any] = {}
     a_proc.start()
+    c_proc.start()
     try:
-        with Client(a_proc.sock, timeout=600) as c:
+        with Client(a_proc.sock, timeout=600) as c, Client(c_proc.sock, timeout=600) as control:
             idle_before = [hook_rtt(c, i) for i in range(100)]
             during: list[float] = []
+            during_control: list[float] = []
             result: dict[str, Any] = {}
 
             def push() -> None:
@@ -161,6 +169,7 @@ def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, st
             i = 1000
             while thread.is_alive():
                 during.append(hook_rtt(c, i))
+                during_control.append(hook_rtt(control, i))
                 i += 1
                 time.sleep(0.005)
             thread.join()
@@ -168,9 +177,11 @@ def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, st
             out["push"] = {"memories": n, "seconds": round(result["s"], 3),
                            "memories_per_s": round(n / result["s"], 1), "reply": result["reply"]["push"]}
             out["hook_rtt"] = {"idle_before": summary(idle_before), "during_push": summary(during),
+                               "during_push_on_a_daemon_not_syncing": summary(during_control),
                                "idle_after": summary(idle_after)}
     finally:
         a_proc.stop()
+        c_proc.stop()
     b_proc = machine(pg, root, "b", team, roles["b"])
     b_proc.start()
     try:
