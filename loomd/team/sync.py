@@ -15,9 +15,10 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
+import aiosqlite
 import asyncpg
 
 from loomd.config import Config
@@ -132,25 +133,33 @@ class SyncEngine:
         project sends nothing, even one opted in to share its evidence; the list is read again every batch, so a
         project made private mid-push stops at once."""
         batch = self.config().shared_batch
+
+        async def assign(db: aiosqlite.Connection, private: Collection[str]) -> None:
+            if evidence_of is None:
+                await local.assign_gids(db, private, batch)
+            else:
+                await local.assign_evidence_gids(db, evidence_of, batch)
+        async with self.store.atomic() as db:
+            await assign(db, self.private.current())
         for _ in range(rounds):
             private = self.private.current()
             if evidence_of in private:
                 return
-            async with self.store.atomic() as db:
-                if evidence_of is None:
-                    await local.assign_gids(db, private, batch)
-                else:
-                    await local.assign_evidence_gids(db, evidence_of, batch)
             queued = await (local.outgoing(self.store.reader, who, private, batch) if evidence_of is None
                             else local.evidence_outgoing(self.store.reader, who, evidence_of, batch))
             if not queued:
                 return
             verdicts = await remote.push(conn, [o.row for o in queued])
             winners = [v.winner for v in verdicts if v.outcome == "lost" and v.winner is not None]
-            async with self.memories.atomic() as db:
+            # One short write transaction a batch (each one a wait for the hooks, which commit on the same writer):
+            # this batch marked pushed and the next one's global ids given. Only a conflict's winner changes a
+            # memory, and only then are the memory listeners (the vector back-fill) woken.
+            async with (self.memories.atomic() if winners else self.store.atomic()) as db:
                 await local.mark_pushed(db, queued)
                 if winners:
                     await local.apply(db, self.memories, winners)
+                if len(queued) == batch:
+                    await assign(db, private)
             for verdict in verdicts:
                 counts[verdict.outcome] += 1
             self.pushed += len(queued)
