@@ -139,6 +139,8 @@ class SyncEngine:
                 await local.assign_gids(db, private, batch)
             else:
                 await local.assign_evidence_gids(db, evidence_of, batch)
+        if evidence_of in self.private.current():
+            return
         async with self.store.atomic() as db:
             await assign(db, self.private.current())
         for _ in range(rounds):
