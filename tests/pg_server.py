@@ -35,7 +35,9 @@ def free_port() -> int:
 class PgServer:
     """One cluster: `start()` (initdb the first time), `stop()`, `kill()`, and DSNs for any role."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
+        # Server settings past the small test defaults (bench/shared.py sizes the buffers for a million rows).
+        self.settings = settings or {}
         self.root = Path(tempfile.mkdtemp(prefix="loomd-pg-", dir="/tmp"))
         self.data = self.root / "data"
         self.port = free_port()
@@ -72,6 +74,7 @@ class PgServer:
             pwfile.unlink()
         options = (f"-h 127.0.0.1 -p {self.port} -k '' -c fsync=off -c synchronous_commit=off"
                    " -c full_page_writes=off -c shared_buffers=64MB -c max_connections=60")
+        options += "".join(f" -c {name}={value}" for name, value in self.settings.items())
         self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start")
         return self
 

@@ -5,6 +5,7 @@ superuser to check what reached it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -87,9 +88,10 @@ def test_global_ids_are_uuid7_in_time_order_and_the_later_version_wins() -> None
 
 def test_the_dsn_comes_from_the_shared_table_and_is_never_shown_whole(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text('[shared]\ndsn = "postgresql://alice:Xk9pQ2mZ7w@db.example.com/loom"\n'
-                                          'team = "acme"\n')
+                                          'team = "acme"\nevidence_projects = ["git:h/a/one", "git:h/a/two"]\n')
     config = load_config({"LOOMD_HOME": str(tmp_path)})
     assert (config.shared_dsn, config.shared_team) == ("postgresql://alice:Xk9pQ2mZ7w@db.example.com/loom", "acme")
+    assert config.evidence_projects() == {"git:h/a/one", "git:h/a/two"}
     shown = config.public()["shared_dsn"]
     assert "Xk9pQ2mZ7w" not in str(shown) and "db.example.com" in str(shown)
     env = {"LOOMD_HOME": str(tmp_path), "LOOMD_SHARED_DSN": "postgresql://bob@h/db"}
@@ -393,3 +395,74 @@ async def test_shared_search_queries_the_server(pg: PgServer, home: Path, monkey
         assert semantic["results"][0]["signals"].get("vec") == 1
         errors = await a.call("search", {"query": "test", "scope": "shared", "kind": ["error"], "project": PROJECT})
         assert [r["kind"] for r in errors["results"]] == ["error"]
+
+
+async def test_a_supersession_whose_target_comes_in_a_later_pull_batch_resolves_when_it_arrives(
+        pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    team, roles = await make_team(pg, "ivan", "judy")
+    ivan, judy = roles
+    # B pulls one row per batch: the old memory (first by global id, the older one) comes a batch before its
+    # replacement, so its link names a memory B does not hold yet.
+    env_b = machine_env(pg, second_home, team, judy, roles[judy], "j1", LOOMD_SHARED_BATCH="1")
+    async with machine(monkeypatch, machine_env(pg, home, team, ivan, roles[ivan], "i1")) as a, \
+            machine(monkeypatch, env_b) as b:
+        old = await a.call("store", {"text": "Decision: deploys go out on Tuesdays", "kind": "decision",
+                                     "project": PROJECT})
+        await asyncio.sleep(0.01)  # a later millisecond: a later global id
+        new = await a.call("store", {"text": "Decision: deploys go out on Thursdays after the freeze",
+                                     "kind": "decision", "project": PROJECT})
+        await a.call("supersede", {"id": new["id"], "old": [old["id"]]})
+        assert (await a.sync())["push"]["inserted"] == 2
+        assert (await b.sync())["pull"]["inserted"] == 2
+        by_text = {r["text"]: r for r in (await b.call("memories", {"project": PROJECT, "state": "all"}))["memories"]}
+        b_old, b_new = by_text["Decision: deploys go out on Tuesdays"], by_text[
+            "Decision: deploys go out on Thursdays after the freeze"]
+        assert b_old["superseded_by"] == b_new["id"] and b_new["superseded_by"] is None
+        # Resolving the link is sync's own write: nothing is queued, nothing echoes back to the server.
+        assert (await b.call("shared_status"))["push_queue"] == 0
+        assert (await b.sync())["push"] == {"inserted": 0, "updated": 0, "same": 0, "lost": 0}
+        assert await admin(pg, "SELECT * FROM loomd.memory_history WHERE team = $1", team) == []
+        assert {(r["text"][:30], r["changed_by"]) for r in await server_rows(pg, team)} == {
+            ("Decision: deploys go out on Tu", "i1"), ("Decision: deploys go out on Th", "i1")}
+
+
+async def test_evidence_is_shared_only_for_projects_that_opt_in_redacted_and_never_from_a_private_one(
+        pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    team, roles = await make_team(pg, "ken", "lea")
+    ken, lea = roles
+    opted, other, private_key = PROJECT, "git:example.com/acme/gadget", "git:example.com/acme/vault"
+    write_roots(home / PRIVATE_FILE, [private_key])
+    secret_text, secret = SECRET_SAMPLES[0]
+    store = await Store.open(home / "loomd.db")
+    async with store.atomic() as db:
+        # A raw event and the evidence passage the observer cut from it: the passage may go, the event never.
+        cur = await db.execute(
+            "INSERT INTO events (key, agent, session_id, project, kind, source, ts, received, payload) VALUES"
+            " ('k1', 'claude', 's1', ?, 'tool', 'hook', 1, 1, '{\"stdout\": \"RAW-PAYLOAD-7731 stays home\"}')",
+            (opted,))
+        for project in (opted, other, private_key):
+            await insert_memory(db, kind="evidence", scope="session", session_id="s1", project=project,
+                                text=f"Bash `pytest -q` in {project}: 3 failed, the fixture db_url is unset",
+                                sources=[cur.lastrowid or 0], origin="evidence")
+        # A passage stored before today's redactor knew its secret (written past redaction): re-redacted on push.
+        await db.execute("INSERT INTO memories (kind, text, project, scope, session_id, created, updated,"
+                         " content_hash, tags) VALUES ('evidence', ?, ?, 'session', 's1', 2, 2, 'raw-ev', '')",
+                         (secret_text, opted))
+    await store.close()
+
+    env_a = machine_env(pg, home, team, ken, roles[ken], "k1",
+                        LOOMD_SHARED_EVIDENCE_PROJECTS=f"{opted}, {private_key}")
+    async with machine(monkeypatch, env_a) as a:
+        assert (await a.sync())["push"]["inserted"] == 2
+        assert (await a.sync())["push"] == {"inserted": 0, "updated": 0, "same": 0, "lost": 0}  # sent once
+    rows = await server_rows(pg, team)
+    assert sorted((r["project"], r["kind"]) for r in rows) == [(opted, "evidence")] * 2
+    assert sorted(json.loads(r["provenance"])["sources"] for r in rows) == [0, 1]  # the event counted, not sent
+    dump = str([dict(r) for r in await admin(pg, "SELECT * FROM loomd.memories")])
+    assert "RAW-PAYLOAD-7731" not in dump and secret not in dump and other not in dump and private_key not in dump
+
+    # A teammate's machine pulls the passages and finds them like its own.
+    async with machine(monkeypatch, machine_env(pg, second_home, team, lea, roles[lea], "l1")) as b:
+        assert (await b.sync())["pull"]["inserted"] == 2
+        [hit] = (await b.call("search", {"query": "fixture db_url unset", "project": opted}))["results"]
+        assert hit["kind"] == "evidence" and hit["from"]["device"] == "k1"

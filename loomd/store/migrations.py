@@ -272,6 +272,26 @@ SHARED_KINDS = ("fact", "decision", "procedure", "error", "constraint", "prefere
                 "handoff")
 
 
+def _share_update_trigger(shareable: str, sync_writes: str = "") -> str:
+    """The outbox trigger on updates: a change to a shareable memory's shared fields is queued, unless sync wrote
+    it (a pull moves the agreed version `shared_changed`/`shared_by`; `sync_writes` names what else marks one)."""
+    return f"""CREATE TRIGGER memories_share_au
+            AFTER UPDATE OF text, kind, scope, tags, importance, archived_at, superseded_by ON memories
+            WHEN {shareable} AND new.shared_changed IS old.shared_changed
+                AND new.shared_by IS old.shared_by{sync_writes}
+                AND (new.text IS NOT old.text OR new.kind IS NOT old.kind OR new.scope IS NOT old.scope
+                     OR new.tags IS NOT old.tags OR new.importance IS NOT old.importance
+                     OR new.archived_at IS NOT old.archived_at OR new.superseded_by IS NOT old.superseded_by)
+        BEGIN
+            INSERT OR REPLACE INTO shared_outbox (memory_id, changed) VALUES (new.id, unixepoch('subsec'));
+        END;"""
+
+
+def _shareable() -> str:
+    kinds = ",".join(f"'{k}'" for k in SHARED_KINDS)
+    return f"new.kind IN ({kinds}) AND new.scope != 'session'"
+
+
 @migration
 def m007_shared(db: sqlite3.Connection) -> None:
     """Shared memory (loomd/team/): a global id and origin per memory, and an outbox of the changes to push.
@@ -282,7 +302,7 @@ def m007_shared(db: sqlite3.Connection) -> None:
     one the pull applied. The outbox starts with every shareable memory, so turning sharing on sends the past too.
     """
     kinds = ",".join(f"'{k}'" for k in SHARED_KINDS)
-    shareable = f"new.kind IN ({kinds}) AND new.scope != 'session'"
+    shareable = _shareable()
     run_script(db,
         f"""
         ALTER TABLE memories ADD COLUMN gid TEXT;
@@ -300,15 +320,7 @@ def m007_shared(db: sqlite3.Connection) -> None:
         CREATE TRIGGER memories_share_ai AFTER INSERT ON memories WHEN new.gid IS NULL AND {shareable} BEGIN
             INSERT OR REPLACE INTO shared_outbox (memory_id, changed) VALUES (new.id, unixepoch('subsec'));
         END;
-        CREATE TRIGGER memories_share_au
-            AFTER UPDATE OF text, kind, scope, tags, importance, archived_at, superseded_by ON memories
-            WHEN {shareable} AND new.shared_changed IS old.shared_changed AND new.shared_by IS old.shared_by
-                AND (new.text IS NOT old.text OR new.kind IS NOT old.kind OR new.scope IS NOT old.scope
-                     OR new.tags IS NOT old.tags OR new.importance IS NOT old.importance
-                     OR new.archived_at IS NOT old.archived_at OR new.superseded_by IS NOT old.superseded_by)
-        BEGIN
-            INSERT OR REPLACE INTO shared_outbox (memory_id, changed) VALUES (new.id, unixepoch('subsec'));
-        END;
+        {_share_update_trigger(shareable)}
         """
     )
     db.execute(f"INSERT INTO shared_outbox (memory_id, changed) SELECT id, updated FROM memories"
@@ -331,3 +343,30 @@ def m008_injections(db: sqlite3.Connection) -> None:
         CREATE INDEX IF NOT EXISTS injections_session ON injections(session_id, id);
         """
     )
+
+
+@migration
+def m009_shared_links(db: sqlite3.Connection) -> None:
+    """A pulled supersession link whose target is not here yet (it comes in a later pull batch): `superseded_gid`
+    holds the target's global id until that memory arrives, then `superseded_by` takes its local id.
+
+    The outbox trigger is made again to tell that resolution from a local change: a write that moves
+    `superseded_gid` is sync's, and queues nothing (else the link, already on the server, would echo back as a
+    newer version of the memory)."""
+    run_script(db,
+        f"""
+        ALTER TABLE memories ADD COLUMN superseded_gid TEXT;
+        CREATE INDEX memories_superseded_gid ON memories(superseded_gid) WHERE superseded_gid IS NOT NULL;
+        DROP TRIGGER memories_share_au;
+        {_share_update_trigger(_shareable(), " AND new.superseded_gid IS old.superseded_gid")}
+        """
+    )
+
+
+@migration
+def m010_shared_evidence(db: sqlite3.Connection) -> None:
+    """Evidence passages of the projects opted in to share them (`shared_evidence_projects`): a push finds this
+    machine's passages not yet on the server (never agreed a version: `shared_changed` NULL) by an index, not by
+    reading every passage of the project each batch. Passages are written once, so no outbox is needed."""
+    db.execute("CREATE INDEX memories_evidence_unshared ON memories(project, id)"
+               " WHERE kind = 'evidence' AND shared_changed IS NULL AND device IS NULL")

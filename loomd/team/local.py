@@ -51,11 +51,30 @@ async def assign_gids(db: aiosqlite.Connection, private: Collection[str], limit:
     """Give a global id to queued memories that have none, committed before any push: a push cut short and
     replayed sends the same ids, so the server never sees one memory twice."""
     clause, params = _private_clause(private)
-    rows = list(await db.execute_fetchall(
-        f"SELECT m.id, m.created FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
-        f" WHERE m.gid IS NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?", (*params, limit)))
+    return await _give_gids(db, f"SELECT m.id, m.created FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
+                                f" WHERE m.gid IS NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?",
+                            (*params, limit))
+
+
+async def assign_evidence_gids(db: aiosqlite.Connection, project: str, limit: int) -> int:
+    """The same for a project's evidence passages not yet pushed (an opted-in project, `evidence_outgoing`)."""
+    return await _give_gids(db, f"SELECT m.id, m.created FROM memories m WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NULL"
+                                " ORDER BY m.id LIMIT ?", (project, limit))
+
+
+async def _give_gids(db: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> int:
+    rows = list(await db.execute_fetchall(sql, params))
     await db.executemany("UPDATE memories SET gid = ? WHERE id = ?", [(uuid7(r[1]), r[0]) for r in rows])
     return len(rows)
+
+
+# What a pushed row is read with: the memory, the vector when it is computed, how many source events it has.
+_ROW = ("m.*, v.model AS vmodel, v.vec AS vec,"
+        " (SELECT count(*) FROM memory_sources ms WHERE ms.memory_id = m.id) AS nsources")
+_VECTOR = " LEFT JOIN memory_vectors v ON v.memory_id = m.id AND v.content_hash = m.content_hash"
+# This machine's evidence passages of one project that the server does not hold yet (store migration m010's index);
+# pulled ones (`device` set) came from the server.
+_UNSHARED_EVIDENCE = "m.project = ? AND m.kind = 'evidence' AND m.shared_changed IS NULL AND m.device IS NULL"
 
 
 async def outgoing(db: aiosqlite.Connection, who: Identity, private: Collection[str], limit: int) -> list[Outgoing]:
@@ -63,13 +82,24 @@ async def outgoing(db: aiosqlite.Connection, who: Identity, private: Collection[
     stored), with a provenance summary (never the evidence itself) and the vector when it is computed."""
     clause, params = _private_clause(private)
     rows = list(await db.execute_fetchall(
-        f"SELECT m.*, o.changed AS queued, s.gid AS superseded_gid, v.model AS vmodel, v.vec AS vec,"
-        f" (SELECT count(*) FROM memory_sources ms WHERE ms.memory_id = m.id) AS nsources"
+        f"SELECT {_ROW}, o.changed AS queued,"
+        # The link as this machine knows it: a local one by its target's global id, else one still waiting for
+        # its target (pulled before it): a local edit of such a memory must not drop the server's link.
+        f" CASE WHEN m.superseded_by IS NULL THEN m.superseded_gid ELSE s.gid END AS superseded_target"
         f" FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
-        f" LEFT JOIN memories s ON s.id = m.superseded_by"
-        f" LEFT JOIN memory_vectors v ON v.memory_id = m.id AND v.content_hash = m.content_hash"
+        f" LEFT JOIN memories s ON s.id = m.superseded_by{_VECTOR}"
         f" WHERE m.gid IS NOT NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?", (*params, limit)))
     # Redaction and the vectors' copies are CPU work: off the event loop, which serves the hooks meanwhile.
+    return await asyncio.to_thread(_outgoing_rows, rows, who)
+
+
+async def evidence_outgoing(db: aiosqlite.Connection, who: Identity, project: str, limit: int) -> list[Outgoing]:
+    """A project's evidence passages not yet on the server, oldest first, as server rows: their text re-redacted
+    like a memory's, never the raw events they cite (the provenance counts them). Sent once: a passage is never
+    edited, and `mark_pushed` records the version the server holds."""
+    rows = list(await db.execute_fetchall(
+        f"SELECT {_ROW}, m.updated AS queued, NULL AS superseded_target FROM memories m{_VECTOR}"
+        f" WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NOT NULL ORDER BY m.id LIMIT ?", (project, limit)))
     return await asyncio.to_thread(_outgoing_rows, rows, who)
 
 
@@ -81,7 +111,7 @@ def _outgoing_rows(rows: Sequence[Any], who: Identity) -> list[Outgoing]:
             gid=r["gid"], team=who.team, project=r["project"], kind=r["kind"], scope=r["scope"],
             text=redact_text(r["text"]), tags=redact_text(r["tags"]), importance=float(r["importance"]),
             created_at=float(r["created"]), changed_at=float(r["queued"]), changed_by=who.device,
-            archived_at=r["archived_at"], superseded_by=r["superseded_gid"], device=r["device"] or who.device,
+            archived_at=r["archived_at"], superseded_by=r["superseded_target"], device=r["device"] or who.device,
             person=r["person"] or who.person, provenance=provenance,
             embed_model=r["vmodel"] if r["vec"] is not None else None,
             embedding=np.frombuffer(r["vec"], dtype="<f4").copy() if r["vec"] is not None else None)
@@ -104,7 +134,8 @@ async def apply(db: aiosqlite.Connection, memories: MemoryWriter, rows: Sequence
     New ids are inserted through the one memory-write path (the same text already here without a global id takes
     that id instead: one memory, not two). A version is skipped when the local row has a change still queued (the
     next push settles that conflict on the server and brings back the winner) or already holds it. Supersession
-    links resolve once the whole batch is in, since a memory and the one replacing it often arrive together.
+    links resolve once the whole batch is in, since a memory and the one replacing it often arrive together; a
+    link whose target is not here yet waits in `superseded_gid` and resolves in the pull that brings the target.
     """
     counts = {"inserted": 0, "updated": 0, "skipped": 0}
     chosen: list[tuple[int, Shared]] = []
@@ -139,14 +170,25 @@ async def apply(db: aiosqlite.Connection, memories: MemoryWriter, rows: Sequence
     # One UPDATE per row carrying the new version: it moves shared_changed, so the triggers queue nothing.
     await db.executemany(
         "UPDATE memories SET text = ?, content_hash = ?, tokens = ?, kind = ?, scope = ?, tags = ?, importance = ?,"
-        " archived_at = ?, superseded_by = (SELECT s.id FROM memories s WHERE s.gid = ?), shared_changed = ?,"
-        " shared_by = ?, updated = max(updated, ?) WHERE id = ?",
+        " archived_at = ?, superseded_by = NULL, superseded_gid = ?, shared_changed = ?, shared_by = ?,"
+        " updated = max(updated, ?) WHERE id = ?",
         [(text, content_hash(text), estimate_tokens(text), row.kind, row.scope, row.tags, row.importance,
           row.archived_at, row.superseded_by, row.changed_at, row.changed_by, row.changed_at, memory_id)
          for memory_id, row in chosen for text in (redact_text(row.text),)])
     if chosen:
+        await resolve_links(db)
         await memories.derive(db, [memory_id for memory_id, _ in chosen])
     return counts
+
+
+async def resolve_links(db: aiosqlite.Connection) -> None:
+    """Point every waiting supersession link whose target is now here at that memory (this batch's links and
+    those of earlier batches alike). A link changed here meanwhile (`superseded_by` set) is kept: it is queued
+    to push and wins or loses on the server. Moving `superseded_gid` marks the write as sync's: nothing queued."""
+    await db.execute(
+        "UPDATE memories SET superseded_by = coalesce(superseded_by, (SELECT s.id FROM memories s"
+        " WHERE s.gid = memories.superseded_gid)), superseded_gid = NULL WHERE superseded_gid IS NOT NULL"
+        " AND EXISTS (SELECT 1 FROM memories s WHERE s.gid = memories.superseded_gid)")
 
 
 async def _one(db: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> Any:

@@ -15,9 +15,10 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
+import aiosqlite
 import asyncpg
 
 from loomd.config import Config
@@ -119,28 +120,54 @@ class SyncEngine:
         await self.close()
 
     async def _push(self, conn: asyncpg.Connection, who: Identity, rounds: int) -> dict[str, int]:
+        """The outbox, then the evidence passages of each project opted in to share them."""
         counts = {"inserted": 0, "updated": 0, "same": 0, "lost": 0}
+        await self._push_queue(conn, who, rounds, counts, None)
+        for project in sorted(self.config().evidence_projects()):
+            await self._push_queue(conn, who, rounds, counts, project)
+        return counts
+
+    async def _push_queue(self, conn: asyncpg.Connection, who: Identity, rounds: int, counts: dict[str, int],
+                          evidence_of: str | None) -> None:
+        """Push batch by batch: the outbox, or with `evidence_of` that project's evidence passages. A private
+        project sends nothing, even one opted in to share its evidence; the list is read again every batch, so a
+        project made private mid-push stops at once."""
         batch = self.config().shared_batch
+
+        async def assign(db: aiosqlite.Connection, private: Collection[str]) -> None:
+            if evidence_of is None:
+                await local.assign_gids(db, private, batch)
+            else:
+                await local.assign_evidence_gids(db, evidence_of, batch)
+        if evidence_of in self.private.current():
+            return
+        async with self.store.atomic() as db:
+            await assign(db, self.private.current())
         for _ in range(rounds):
             private = self.private.current()
-            async with self.store.atomic() as db:
-                await local.assign_gids(db, private, batch)
-            queued = await local.outgoing(self.store.reader, who, private, batch)
+            if evidence_of in private:
+                return
+            queued = await (local.outgoing(self.store.reader, who, private, batch) if evidence_of is None
+                            else local.evidence_outgoing(self.store.reader, who, evidence_of, batch))
             if not queued:
-                break
+                return
             verdicts = await remote.push(conn, [o.row for o in queued])
             winners = [v.winner for v in verdicts if v.outcome == "lost" and v.winner is not None]
-            async with self.memories.atomic() as db:
+            # One short write transaction a batch (each one a wait for the hooks, which commit on the same writer):
+            # this batch marked pushed and the next one's global ids given. Only a conflict's winner changes a
+            # memory, and only then are the memory listeners (the vector back-fill) woken.
+            async with (self.memories.atomic() if winners else self.store.atomic()) as db:
                 await local.mark_pushed(db, queued)
                 if winners:
                     await local.apply(db, self.memories, winners)
+                if len(queued) == batch:
+                    await assign(db, private)
             for verdict in verdicts:
                 counts[verdict.outcome] += 1
             self.pushed += len(queued)
             self.conflicts_lost += len(winners)
             if len(queued) < batch:
-                break
-        return counts
+                return
 
     async def _pull(self, conn: asyncpg.Connection, who: Identity, rounds: int) -> dict[str, int]:
         counts = {"inserted": 0, "updated": 0, "skipped": 0}
