@@ -587,6 +587,9 @@ async def test_a_real_session_yields_useful_observations_and_reflections(monkeyp
         # The choice says what Option C is, not only its label.
         assert any(t.startswith('User chose "Option C: Extra field: Add CORRUPTED as a 4th tab-separated field')
                    for t in obs)
+        # Where it stopped: the user's last words and the agent's last reply.
+        assert [t for t in obs if t.startswith("Session stopped; the user last asked: Excellent work, thank you!; "
+                                               "the agent last said: You're welcome! Here's a summary")]
         await client.call("workers_run", name="reflector", session_id=session)
         durable = {m["kind"]: m["text"] for m in await memories(client) if m["kind"] in ("insight", "decision")}
         assert "insight" in durable and "decision" in durable
