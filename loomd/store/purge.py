@@ -108,8 +108,11 @@ async def describe(db: aiosqlite.Connection, chosen: Selection) -> dict[str, Any
     }
 
 
-async def remove(db: aiosqlite.Connection, chosen: Selection) -> dict[str, int]:
-    """Delete the selection and every copy a match finds, inside the caller's transaction; rows changed by table."""
+async def remove(db: aiosqlite.Connection, chosen: Selection, *, rebuild_fts: bool = True) -> dict[str, int]:
+    """Delete the selection and every copy a match finds, inside the caller's transaction; rows changed by table.
+
+    `rebuild_fts`: the full-text index is rebuilt, so its old segments no longer hold the removed terms (a purge);
+    GC's retention, which deletes for room and not for secrecy, leaves that to SQLite's own merges."""
     mem, ev = _ids(chosen.memories), _ids(chosen.events)
     changed: dict[str, int] = {}
 
@@ -166,7 +169,8 @@ async def remove(db: aiosqlite.Connection, chosen: Selection) -> dict[str, int]:
     await run("entities", "DELETE FROM entities WHERE NOT EXISTS (SELECT 1 FROM edges WHERE dst_type = 'entity'"
                           " AND dst_id = entities.id) AND NOT EXISTS (SELECT 1 FROM edges WHERE src_type = 'entity'"
                           " AND src_id = entities.id)")
-    await run("memories_fts", "INSERT INTO memories_fts(memories_fts) VALUES ('rebuild')")
+    if rebuild_fts:
+        await run("memories_fts", "INSERT INTO memories_fts(memories_fts) VALUES ('rebuild')")
     return {name: n for name, n in changed.items() if n}
 
 
