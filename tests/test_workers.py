@@ -463,8 +463,10 @@ async def test_archived_memories_are_deleted_only_under_a_retention_the_user_set
     stored: list[int] = []
     for ttl in (0, 1):
         async with loomd(monkeypatch, home, archived_ttl_days=ttl) as (d, client):
+            # One session's: deleting one refreshes its neighbours' context.
             old, recent, live = [(await client.call("store", text=f"Build fact {ttl}-{i}: the cache lives in /var",
-                                                     project=PROJECT))["id"] for i in range(3)]
+                                                     project=PROJECT, session_id=f"retention-{ttl}"))["id"]
+                                 for i in range(3)]
             stored += [old, recent, live]
             await client.call("forget", id=[old, recent])
             async with d.store.atomic() as db:

@@ -23,7 +23,7 @@ import aiosqlite
 
 from loomd.errors import BadRequest
 from loomd.store.db import Store
-from loomd.store.derived import update_context
+from loomd.store.derived import update_context, written
 
 SAMPLE = 5  # memories and events named in the plan a person confirms
 
@@ -145,8 +145,8 @@ async def remove(db: aiosqlite.Connection, chosen: Selection, *, rebuild_fts: bo
     # Blocks injected that showed one (each line of a block closes with " #id").
     await run("injections", "DELETE FROM injections WHERE EXISTS (SELECT 1 FROM json_each(?)"
                             " WHERE instr(injections.text, ' #' || value || char(10)))", [mem])
-    for memory_id in neighbours:
-        changed["ctx"] = changed.get("ctx", 0) + await update_context(db, memory_id)
+    if neighbours:
+        changed["ctx"] = changed.get("ctx", 0) + await update_context(db, await written(db, neighbours))
     for needle in chosen.needles:
         # Copies the selection did not hold: an evidence passage's neighbour text, blocks frozen for a session,
         # the names of entities, the workers' notes.
