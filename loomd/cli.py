@@ -876,7 +876,7 @@ def _import_plan(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# Files `loom import` has in the daemon at once: enough to keep its parser processes (one a core, up to 4) busy while
+# Files `loom import` has in the daemon at once: enough to keep its parser processes (a core each, up to 4) busy while
 # it commits what they parsed; few enough that a stop leaves few files half done (their re-read stores nothing).
 IMPORT_IN_FLIGHT = 4
 

@@ -43,7 +43,9 @@ SOURCES: tuple[Agent, ...] = ("claude", "codex")
 HEAD_LINES = 50  # where a session states its folder, id and start
 TAIL_BYTES = 64 << 10  # where it states its end
 CHECKPOINT = "import:"
-PARSERS = max(1, min(4, os.cpu_count() or 1))  # child processes that parse history files
+# Child processes that parse history files: a core is left to the daemon's writes (and each holds ~55 MB while an
+# import runs), up to 4.
+PARSERS = max(1, min(4, (os.cpu_count() or 1) - 1))
 IDLE_CLOSE_S = 30.0  # they stop when no file came for this long
 _UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
