@@ -46,7 +46,8 @@ LANES = ("embed", "query", "work", "parse")
 class Offload:
     """The parent's handle on the helper process: `call` and `call_sync` run a function there."""
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int = CHILD_NICE) -> None:
+        self.nice = nice  # added to the child's priority: the helper yields the CPU to the loop and the agent
         self._lock = threading.Lock()
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
@@ -73,7 +74,7 @@ class Offload:
                 return
             ctx = multiprocessing.get_context("spawn")
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_child_main, args=(child,), name="loomd-offload", daemon=True)
+            proc = ctx.Process(target=_child_main, args=(child, self.nice), name="loomd-offload", daemon=True)
             proc.start()
             child.close()
             self._proc, self._conn = proc, parent
@@ -204,10 +205,11 @@ def shared() -> Offload:
 # --- the child ---------------------------------------------------------------------------------------------------
 
 
-def _child_main(conn: Connection) -> None:
+def _child_main(conn: Connection, nice: int) -> None:
     """Serve calls until the parent goes away (the pipe closes); each lane on its own thread."""
-    with contextlib.suppress(OSError):
-        os.nice(CHILD_NICE)
+    if nice:
+        with contextlib.suppress(OSError):
+            os.nice(nice)
     send_lock = threading.Lock()
     lanes = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane}") for lane in LANES}
 
