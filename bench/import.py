@@ -108,26 +108,55 @@ def make_history(root: Path, events: int, sessions: int, projects: int) -> dict[
 
 
 class RssSampler(threading.Thread):
-    """Peak resident memory of the daemon and of its offload process, sampled every 0.2 s."""
+    """Peak resident memory of the daemon, of its offload process and of its import parsers (while an import runs),
+    sampled every 0.2 s; the CPU seconds each has used (`cpu_s`, for rates measured on a loaded machine)."""
 
     def __init__(self, home: Path, pid: int) -> None:
         super().__init__(daemon=True)
         self.home, self.pid = home, pid
-        self.peak = {"daemon_mb": 0.0, "offload_mb": 0.0, "sum_mb": 0.0}
+        self.peak = {"daemon_mb": 0.0, "offload_mb": 0.0, "parsers_mb": 0.0, "sum_mb": 0.0}
+        self.cpu: dict[int, float] = {}
+        self.roles: dict[int, str] = {pid: "daemon"}
         self.stop = threading.Event()
 
     def run(self) -> None:
         child: int | None = None
+        parsers: list[int] = []
         while not self.stop.wait(0.2):
-            if child is None or rss_mb(child) == 0.0:
+            if child is None or rss_mb(child) == 0.0 or not parsers or any(rss_mb(p) == 0.0 for p in parsers):
                 try:
                     with Client(self.home / "loomd.sock", timeout=5) as c:
-                        child = (c.call("status").get("offload") or {}).get("pid")
+                        offload = c.call("status").get("offload") or {}
+                    child = offload.get("pid")
+                    parsers = list((offload.get("import_parsers") or {}).get("processes") or [])
                 except Exception:  # noqa: BLE001 - busy or restarting: sample the daemon alone this time
                     child = None
-            own, off = rss_mb(self.pid), rss_mb(child)
-            for key, value in (("daemon_mb", own), ("offload_mb", off), ("sum_mb", own + off)):
+            self.roles.update({p: "parsers" for p in parsers})
+            if child:
+                self.roles[child] = "offload"
+            own, off, par = rss_mb(self.pid), rss_mb(child), sum(rss_mb(p) for p in parsers)
+            for key, value in (("daemon_mb", own), ("offload_mb", off), ("parsers_mb", par),
+                               ("sum_mb", own + off + par)):
                 self.peak[key] = max(self.peak[key], round(value, 1))
+            for pid in (self.pid, child, *parsers):
+                if pid and (used := cpu_s(pid)) is not None:
+                    self.cpu[pid] = used
+
+    def cpu_by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, used in self.cpu.items():
+            role = self.roles.get(pid, "other")
+            out[role] = round(out.get(role, 0.0) + used, 1)
+        return out
+
+
+def cpu_s(pid: int) -> float | None:
+    """User and system CPU seconds a process has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int | None) -> float:
@@ -199,10 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         sampler = RssSampler(home, proc.pid)
         sampler.start()
         try:
+            before = sampler.cpu_by_role()
             first, took = run_import(env)
+            used = sampler.cpu_by_role()
             stored = int(first.get("stored", 0))
             report["import"] = {"stored": stored, "seconds": round(took, 1),
                                 "events_per_s": round(stored / max(took, 1e-9), 1), "goal_events_per_s": 5000,
+                                "cpu_s": {k: round(v - before.get(k, 0.0), 1) for k, v in used.items()},
+                                "loadavg": [round(x, 2) for x in os.getloadavg()],
                                 "cli": {k: v for k, v in first.items() if not isinstance(v, (list, dict))}}
             t0 = time.monotonic()
             embedded_at = observed_at = None

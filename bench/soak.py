@@ -6,10 +6,11 @@ workers (`workers_run`, when the daemon has that op) run together against one `p
 private LOOMD_HOME (or `--socket` of a running daemon). The daemon's RSS, open descriptors and threads are sampled
 every second. Errors must be 0 and RSS flat after warm-up. Prints one JSON object on stdout.
 
-`--fixed-size` (issue #17) holds the store's size constant by GC: raw events are purged a minute after the observer
-passed them (`event_ttl_days`), each project keeps at most 300 live memories (`project_memory_cap`), the workers
-run every 10 s; the samples then add the database's bytes and the offload process's RSS (the embedding model lives
-there), and the slopes are taken over their sum.
+`--fixed-size` (issue #17) holds the store's size constant by GC, under retention set explicitly (none is on by
+default): raw events are purged a minute after the observer passed them (`event_ttl_days`), each project keeps at
+most 300 live memories (`project_memory_cap`), archived memories are deleted a minute after (`archived_ttl_days`),
+the workers run every 10 s; the samples then add the database's bytes and the offload process's RSS (the embedding
+model lives there), and the slopes are taken over their sum.
 
     python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25] [--socket PATH] [--fixed-size]
 """
@@ -292,8 +293,10 @@ def slope(rows: list[dict[str, Any]], key: str) -> float:
     return sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / var if var else 0.0
 
 
-# --fixed-size: what GC keeps (events a minute after they were observed, 300 live memories a project).
+# --fixed-size: what GC keeps (events a minute after they were observed, 300 live memories a project, archived ones a
+# minute).
 FIXED_SIZE = {"LOOMD_EVENT_TTL_DAYS": str(60 / 86400), "LOOMD_PROJECT_MEMORY_CAP": "300",
+              "LOOMD_ARCHIVED_TTL_DAYS": str(60 / 86400),
               "LOOMD_WORKER_INTERVAL_S": "10", "LOOMD_OBSERVE_IDLE_S": "20"}
 
 

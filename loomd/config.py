@@ -109,6 +109,9 @@ class Config:
     gc: bool = True  # off: the GC worker runs only when asked (`loom workers run gc`)
     event_ttl_days: float = 0.0  # 0: raw events are evidence, kept for good; a limit is the user's choice
     memory_ttl_days: float = 0.0
+    # 0: an archived memory stays for good (fetchable by id, restorable); a limit is the user's choice: this long
+    # after it was archived, GC deletes it with its vectors, sources and edges (what holds a store's size constant)
+    archived_ttl_days: float = 0.0
     project_memory_cap: int = 5000
     worker_interval_s: float = 60.0
     observe_idle_s: float = 600.0  # a session quiet this long is observed (and its open todos noted)

@@ -159,10 +159,11 @@ class Daemon:
             raise StartupError(str(exc)) from None
         except OSError as exc:
             raise StartupError(f"cannot create {paths.spool}: {exc.strerror or exc}") from None
+        self.history = HistoryImporter(self.store, self.tailer)
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,
-            history=HistoryImporter(self.store, self.tailer), sync=self.sync, shared_search=self.shared_search))
+            history=self.history, sync=self.sync, shared_search=self.shared_search))
         self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
                              max_inflight=self.config.max_inflight)
         if self.listen_sock is not None:
@@ -276,6 +277,8 @@ class Daemon:
             await self.shared_search.close()
         if hasattr(self, "writer"):
             await self.writer.stop()
+        if hasattr(self, "history"):
+            await self.history.close()  # its parser processes (after the writer: no import is left to parse for)
         if hasattr(self, "vectors"):
             await self.vectors.close()
         if hasattr(self, "store"):
@@ -306,7 +309,8 @@ class Daemon:
             "spool_backlog": self.spool.backlog() if self.spool else 0,
             "spool": self.spool.status() if self.spool else None, "tasks": self.supervisor.status(),
             "inflight": len(self.server.inflight) if self.server else 0,
-            "embedder": self.vectors.status(), "tailer": tailer, "offload": self.offload.status(),
+            "embedder": self.vectors.status(), "tailer": tailer,
+            "offload": {**self.offload.status(), "import_parsers": self.history.pool.status()},
         }
 
 

@@ -82,8 +82,9 @@ class IgnoredProjects:
     def __init__(self, path: Path) -> None:
         self.list = WatchedList(path, read_roots)
 
-    def covers(self, cwd: str | None) -> bool:
-        return covers(self.list.lines(), cwd)
+    def roots(self) -> tuple[str, ...]:
+        """The folders, re-read if the file changed since the last look (a stat: once a batch, not an event)."""
+        return self.list.lines()
 
 
 class PrivateProjects:

@@ -46,7 +46,8 @@ LANES = ("embed", "query", "work", "parse")
 class Offload:
     """The parent's handle on the helper process: `call` and `call_sync` run a function there."""
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int = CHILD_NICE) -> None:
+        self.nice = nice  # added to the child's priority: the helper yields the CPU to the loop and the agent
         self._lock = threading.Lock()
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
@@ -73,7 +74,7 @@ class Offload:
                 return
             ctx = multiprocessing.get_context("spawn")
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_child_main, args=(child,), name="loomd-offload", daemon=True)
+            proc = ctx.Process(target=_child_main, args=(child, self.nice), name="loomd-offload", daemon=True)
             proc.start()
             child.close()
             self._proc, self._conn = proc, parent
@@ -129,6 +130,23 @@ class Offload:
     def call_sync(self, lane: str, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` in the child on `lane`, from a thread (blocking)."""
         return self.submit(lane, fn, *args).result()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the child for good (blocking): it finishes the calls it runs, then exits; for a private helper whose
+        owner is done with it (`loom import`'s parsers). The shared helper lives as long as its process."""
+        with self._lock:
+            proc, conn = self._proc, self._conn
+            if conn is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(None)  # the child's end of the pipe closes when it exits: the reader cleans up
+        if proc is not None:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout)
+            with self._lock:
+                if self._proc is proc:
+                    self._conn = None  # gone: the next `ensure_started` starts a fresh child at once
 
     def _read(self, proc: multiprocessing.process.BaseProcess, conn: Connection) -> None:
         """The reader thread of one child: resolves calls as replies come; on its death fails what is left."""
@@ -187,10 +205,11 @@ def shared() -> Offload:
 # --- the child ---------------------------------------------------------------------------------------------------
 
 
-def _child_main(conn: Connection) -> None:
+def _child_main(conn: Connection, nice: int) -> None:
     """Serve calls until the parent goes away (the pipe closes); each lane on its own thread."""
-    with contextlib.suppress(OSError):
-        os.nice(CHILD_NICE)
+    if nice:
+        with contextlib.suppress(OSError):
+            os.nice(nice)
     send_lock = threading.Lock()
     lanes = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane}") for lane in LANES}
 
@@ -205,12 +224,14 @@ def _child_main(conn: Connection) -> None:
             except (TypeError, AttributeError, ValueError) as exc:  # an unpicklable result or exception
                 conn.send((rid, False, RuntimeError(f"{type(reply[2]).__name__} could not be sent back: {exc}")))
 
+    finish = False
     try:
-        while True:
-            rid, lane, fn, args = conn.recv()
+        while (message := conn.recv()) is not None:
+            rid, lane, fn, args = message
             lanes.get(lane, lanes["work"]).submit(run, rid, fn, args)
+        finish = True  # `close()`: what runs is answered first
     except (EOFError, OSError):
         return  # the parent is gone: nothing to answer
     finally:
         for pool in lanes.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=finish, cancel_futures=not finish)

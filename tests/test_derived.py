@@ -19,6 +19,7 @@ import pytest
 
 from loomd.ingest.transcript import parse_file
 from loomd.store.db import Store
+from loomd.store.derived import mentioned
 from loomd.store.memories import MemoryWriter, insert_memory
 from tests.conftest import need_test_data
 
@@ -81,16 +82,19 @@ def mixed_writes() -> list[Write]:
     return out
 
 
-async def write_all(store: Store, writes: list[Write], batch: int) -> None:
+async def write_all(store: Store, writes: list[Write], batch: int, given: bool = False) -> None:
+    """`given`: each batch's entities worked out before its transaction, as the observer's offload process does."""
     memories = MemoryWriter(store)
     for start in range(0, len(writes), batch):
+        chunk = writes[start : start + batch]
+        names = {w.text: mentioned(w.text) for w in chunk} if given else None
         async with memories.atomic() as db:
             ids = []
-            for w in writes[start : start + batch]:
+            for w in chunk:
                 memory_id, _ = await insert_memory(db, kind=w.kind, text=w.text, project=w.project,
                                                    session_id=w.session_id, created=w.created, context=w.context)
                 ids.append(memory_id)
-            await memories.derive(db, ids)
+            await memories.derive(db, ids, names)
 
 
 def derived_state(path: Path) -> dict[str, Any]:
@@ -112,16 +116,17 @@ def derived_state(path: Path) -> dict[str, Any]:
 
 
 async def test_same_derived_state_one_at_a_time_and_in_batches(tmp_path: Path) -> None:
+    """...and with the entities worked out before the transaction (the observer's, in the offload process)."""
     writes = mixed_writes()
     states = []
-    for batch in (1, 7, 500):
-        store = await Store.open(tmp_path / f"b{batch}.db")
+    for batch, given in ((1, False), (7, False), (500, False), (500, True)):
+        store = await Store.open(tmp_path / f"b{batch}{given}.db")
         try:
-            await write_all(store, writes, batch)
+            await write_all(store, writes, batch, given)
         finally:
             await store.close()
-        states.append(derived_state(tmp_path / f"b{batch}.db"))
-    one, small, large = states
+        states.append(derived_state(tmp_path / f"b{batch}{given}.db"))
+    one, small, large, given_state = states
     # The data exercised what it is meant to: sessions with neighbours, a graph with weights above one.
     assert sum(1 for m in one["memories"] if m[5]) > 400
     assert any(e[4] == "co_occurs" and e[5] > 1 for e in one["edges"])
@@ -129,6 +134,7 @@ async def test_same_derived_state_one_at_a_time_and_in_batches(tmp_path: Path) -
     for name in one:
         assert small[name] == one[name], name
         assert large[name] == one[name], name
+        assert given_state[name] == one[name], name
 
 
 async def test_ctx_is_the_neighbours_text_in_time_order(store: Store) -> None:

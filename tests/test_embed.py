@@ -92,6 +92,14 @@ def test_batch_equals_single_and_keeps_order(local: LocalEmbedder) -> None:
         assert max(abs(x - y) for x, y in zip(from_blob(single), from_blob(blob), strict=True)) < 1e-4
 
 
+def test_long_texts_run_alone_short_ones_together(local: LocalEmbedder) -> None:
+    """A run's buffers grow with its padded tokens (squared, for attention): the helper's peak memory is the largest
+    run's, so texts of the full 256 tokens run one at a time and short ones share a run up to batch_size."""
+    long, short = [256] * 4, [8] * 40
+    assert [len(b) for b in local._batches(list(range(4)), long)] == [1, 1, 1, 1]  # noqa: SLF001
+    assert [len(b) for b in local._batches(list(range(40)), short)] == [local.batch_size, 40 - local.batch_size]  # noqa: SLF001
+
+
 def test_truncates_at_256_tokens_not_128(local: LocalEmbedder) -> None:
     words = [f"word{i % 50}" for i in range(60)]  # each "wordN" is 2-3 word pieces
     mid = " ".join(words)  # about 150 tokens: past the file's 128, within 256

@@ -185,10 +185,12 @@ async def test_import_equals_the_tailer_and_does_not_double_tailed_sessions(
 
 
 async def test_dry_run_writes_nothing_and_a_second_import_adds_nothing(
-        daemon: Daemon, home: Path, tmp_path: Path) -> None:
+        daemon: Daemon, client: AsyncClient, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan names what the folders hold (CLAUDE_CONFIG_DIR and CODEX_HOME honoured); --dry-run stores nothing;
     without a terminal and without --yes it refuses; an import then a second one: the second adds 0 events, and so
-    does a forced re-read (the event keys, not the import records, make it so)."""
+    does a forced re-read (the event keys, not the import records, make it so). The files are parsed in the
+    daemon's parser processes, which stop once no file comes."""
+    monkeypatch.setattr("loomd.ingest.history.IDLE_CLOSE_S", 0.5)
     history = make_history(tmp_path / "h")
     rc, out, err = await loom(home, history, "import", "--dry-run", "--json")
     assert rc == 0, err
@@ -213,6 +215,9 @@ async def test_dry_run_writes_nothing_and_a_second_import_adds_nothing(
     stored = event_count(home)
     assert first["stored"] == stored > 0 and first["files"] == len(history.files)
     assert "B/s" not in err and "%|" not in err  # no progress bar without a terminal
+    parsers = (await client.call("status"))["offload"]["import_parsers"]
+    assert parsers["files"] == len(history.files) and parsers["fallbacks"] == 0
+    await wait_until(lambda: not daemon.history.pool.status()["processes"], "the idle parsers to stop")
     rc, out, err = await loom(home, history, "import", "--yes", "--json")
     second = json.loads(out)
     assert rc == 0 and second["files"] == 0 and second["skipped"] == len(history.files), (out, err)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loomd.client import Client
+from loomd.offload import CHILD_NICE, Offload
 from loomd.store.db import connect_sync
 from tests.conftest import DaemonProcess
 
@@ -80,3 +81,33 @@ def test_a_killed_offload_process_is_restarted_and_no_event_is_lost(
         (memories,) = rows(daemon.home, "SELECT count(*) FROM memories")[0]
         assert c.call("status")["embedder"]["vectors"] == memories > 0
     assert daemon.stop() == 0
+
+
+def test_a_closed_helper_exits_and_the_next_call_starts_a_fresh_one() -> None:
+    """`Offload.close()` (the import's parsers, when idle): the child answers what it runs, exits, and is gone; a
+    later call starts a new child."""
+    helper = Offload()
+    try:
+        helper.ensure_started()
+        first = helper.call_sync("work", os.getpid)
+        assert first == helper.pid and first != os.getpid()
+        helper.close()
+        assert helper.pid is None
+        helper.ensure_started()
+        second = helper.call_sync("work", os.getpid)
+        assert second not in (first, os.getpid())
+    finally:
+        helper.close()
+
+
+def test_the_helper_yields_the_cpu_and_import_parsers_do_not() -> None:
+    """The shared helper runs at a lower priority (the loop and the agent first); `loom import`'s parsers, the job
+    a person waits for, run at the daemon's own (a niced parser starved on a busy machine)."""
+    mine = os.nice(0)
+    for nice, expected in ((None, min(19, mine + CHILD_NICE)), (0, mine)):
+        helper = Offload() if nice is None else Offload(nice=nice)
+        try:
+            helper.ensure_started()
+            assert helper.call_sync("work", os.nice, 0) == expected
+        finally:
+            helper.close()

@@ -456,6 +456,32 @@ async def test_dropper_and_gc_never_touch_the_working_set(monkeypatch, home) -> 
                                     " WHERE e.id IS NULL") == 0
 
 
+async def test_archived_memories_are_deleted_only_under_a_retention_the_user_set(monkeypatch, home) -> None:
+    """Archive-only by default: GC keeps an archived memory however old. With `archived_ttl_days` set, one
+    archived longer ago than that is deleted with its sources and edges (what lets a store's size stay constant);
+    one archived recently stays, fetchable."""
+    stored: list[int] = []
+    for ttl in (0, 1):
+        async with loomd(monkeypatch, home, archived_ttl_days=ttl) as (d, client):
+            # One session's: deleting one refreshes its neighbours' context.
+            old, recent, live = [(await client.call("store", text=f"Build fact {ttl}-{i}: the cache lives in /var",
+                                                     project=PROJECT, session_id=f"retention-{ttl}"))["id"]
+                                 for i in range(3)]
+            stored += [old, recent, live]
+            await client.call("forget", id=[old, recent])
+            async with d.store.atomic() as db:
+                await db.execute("UPDATE memories SET archived_at = ? WHERE id = ?", (time.time() - 3 * 86400, old))
+            gc = await client.call("workers_run", name="gc")
+            assert gc["outcome"] == ("ok" if ttl else "noop")
+            left = {m["id"] for m in (await client.call("detail", id=[recent, live]))["memories"]}
+            assert left == {recent, live}
+            gone = await d.store.scalar("SELECT count(*) = 0 FROM memories WHERE id = ?", (old,))
+            assert bool(gone) == (ttl > 0)
+            assert ({"archived_deleted"} <= {o["action"] for o in gc["output"]}) == (ttl > 0)
+            assert await d.store.scalar("SELECT count(*) FROM memory_sources s LEFT JOIN memories m"
+                                        " ON m.id = s.memory_id WHERE m.id IS NULL") == 0
+
+
 async def test_events_are_purged_only_after_the_observer_passed_them(monkeypatch, home) -> None:
     async with loomd(monkeypatch, home, event_ttl_days=1) as (d, client):
         old = time.time() - 3 * 86400

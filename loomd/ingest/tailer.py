@@ -28,7 +28,7 @@ import re
 import sqlite3
 import stat
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -58,6 +58,8 @@ from loomd.store.db import Store
 log = logging.getLogger(__name__)
 
 Role = Literal["main", "subagent", "codex"]
+# Reads a whole session file into its events (`read_session_file`, wherever it runs).
+Parse = Callable[[Path], Awaitable[tuple[Format, list[Event]]]]
 
 POLL_S = 2.0
 MIN_GAP_S = 0.1  # a busy watched folder (say /tmp) must not turn the loop into a spin
@@ -652,12 +654,16 @@ class Tailer:
     # --- one-shot import and status --------------------------------------------------------------------------
 
     async def import_file(self, path: str | Path, *, session_id: str | None = None, cwd: str | None = None,
-                          also: Processor | None = None) -> dict[str, Any]:
+                          also: Processor | None = None, parse: Parse | None = None) -> dict[str, Any]:
         """Ingest a whole session file once (a chat.json array, or a finished JSONL); repeating it stores nothing.
 
-        `also` commits with the file's last events (`loom import` records the file as done there)."""
+        `also` commits with the file's last events (`loom import` records the file as done there); `parse` reads
+        the file instead of a thread of this process (`loom import` parses in child processes)."""
         p = Path(path)
-        fmt, events = await asyncio.to_thread(self._import_events, p, session_id, cwd)
+        if parse is None:
+            fmt, events = await asyncio.to_thread(self._import_events, p, session_id, cwd)
+        else:
+            fmt, events = await parse(p)
         stored = 0
         parts = [events[i:i + BATCH_EVENTS] for i in range(0, len(events), BATCH_EVENTS)] or [[]]
         for n, part in enumerate(parts):
@@ -667,41 +673,7 @@ class Tailer:
                 "sessions": sorted({e.session_id for e in events})}
 
     def _import_events(self, p: Path, session_id: str | None, cwd: str | None) -> tuple[Format, list[Event]]:
-        p = p.expanduser()
-        if not p.is_file():
-            raise NotFound(f"no such file: {p}")
-        fmt = detect_format(p)
-        if fmt is None:
-            raise BadRequest(f"{p} is not a Claude or Codex transcript")
-        try:
-            if fmt == "claude_array":
-                data = json.loads(p.read_bytes())
-                objs = [o for o in data if isinstance(o, dict)]
-            else:
-                objs = []
-                offset = 0
-                while True:
-                    got, after = read_lines(p, offset)
-                    if after <= offset:
-                        break
-                    objs.extend(got)
-                    offset = after
-                with p.open("rb") as fh:  # a finished file may lack its final newline
-                    fh.seek(offset)
-                    tail = fh.read().strip()
-                with contextlib.suppress(ValueError):
-                    if tail and isinstance(last := json.loads(tail), dict):
-                        objs.append(last)
-        except OSError as exc:
-            raise BadRequest(f"cannot read {p}: {exc.strerror or exc}") from exc
-        state = _codex_state_for(p)
-        items = [i for o in objs for i in _parse(o, fmt, state, self.config.max_tool_output_chars)]
-        fallback = session_id or next((i.session_id for i in items if i.session_id), "") or p.stem
-        subagent = p.stem.removeprefix("agent-") if p.name.startswith("agent-") and fmt == "claude" else None
-        meta = read_subagent_meta(p) if subagent else {}
-        limit = self.config.max_tool_output_chars
-        return fmt, [to_event(i, session_id=session_id or i.session_id or fallback, cwd=cwd, max_chars=limit,
-                              subagent=subagent, meta=meta) for i in items]
+        return read_session_file(p, session_id, cwd, self.config.max_tool_output_chars)
 
     def status(self) -> dict[str, Any]:
         """For `status` and `doctor`: what is followed, how far behind, the last error."""
@@ -724,3 +696,42 @@ class Tailer:
                 for f in behind[:50]
             ],
         }
+
+
+def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: int) -> tuple[Format, list[Event]]:
+    """A whole session file's events, parsed and redacted as tailing does (blocking; `loom import` runs it in a
+    child process): a chat.json array, or a JSONL file whose last line may lack its newline."""
+    p = p.expanduser()
+    if not p.is_file():
+        raise NotFound(f"no such file: {p}")
+    fmt = detect_format(p)
+    if fmt is None:
+        raise BadRequest(f"{p} is not a Claude or Codex transcript")
+    try:
+        if fmt == "claude_array":
+            data = json.loads(p.read_bytes())
+            objs = [o for o in data if isinstance(o, dict)]
+        else:
+            objs = []
+            offset = 0
+            while True:
+                got, after = read_lines(p, offset)
+                if after <= offset:
+                    break
+                objs.extend(got)
+                offset = after
+            with p.open("rb") as fh:  # a finished file may lack its final newline
+                fh.seek(offset)
+                tail = fh.read().strip()
+            with contextlib.suppress(ValueError):
+                if tail and isinstance(last := json.loads(tail), dict):
+                    objs.append(last)
+    except OSError as exc:
+        raise BadRequest(f"cannot read {p}: {exc.strerror or exc}") from exc
+    state = _codex_state_for(p)
+    items = [i for o in objs for i in _parse(o, fmt, state, limit)]
+    fallback = session_id or next((i.session_id for i in items if i.session_id), "") or p.stem
+    subagent = p.stem.removeprefix("agent-") if p.name.startswith("agent-") and fmt == "claude" else None
+    meta = read_subagent_meta(p) if subagent else {}
+    return fmt, [to_event(i, session_id=session_id or i.session_id or fallback, cwd=cwd, max_chars=limit,
+                          subagent=subagent, meta=meta) for i in items]

@@ -17,7 +17,7 @@ import aiosqlite
 
 from loomd.errors import Busy
 from loomd.ignore import FILE_NAME as IGNORED_FILE
-from loomd.ignore import IgnoredProjects
+from loomd.ignore import IgnoredProjects, covers
 from loomd.ingest.events import PROMPT_MARK, Event, paired_dedup
 from loomd.ingest.parser import EventParser
 from loomd.ingest.project import project_of
@@ -99,7 +99,8 @@ class EventWriter:
         together with the events or not at all.
         """
         # A folder the user keeps out of memory: its events are acknowledged and dropped (stored stays 0).
-        events = [event for event in events if not self.ignored.covers(event.cwd)]
+        roots = self.ignored.roots()
+        events = [event for event in events if not covers(roots, event.cwd)]
         for event in events:
             if not event.project:
                 event.project = await project_of(event.cwd)

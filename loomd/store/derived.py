@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import aiosqlite
@@ -104,16 +104,24 @@ async def update_context(db: aiosqlite.Connection, memories: Sequence[Written]) 
     return len(updates)
 
 
+# `mentioned` of texts, by text.
+Mentions = Mapping[str, list[tuple[str, str]]]
+
+
 def mentioned(text: str) -> list[tuple[str, str]]:
     """The entities a memory links to: the first MAX_ENTITIES found, each (name, type) once."""
     return list(dict.fromkeys(extract_entities(text)[:MAX_ENTITIES]))
 
 
-async def link_entities(db: aiosqlite.Connection, memories: Sequence[Written]) -> int:
+async def link_entities(db: aiosqlite.Connection, memories: Sequence[Written], given: Mentions | None = None) -> int:
     """Entities of the texts, `mentions` edges to them, `co_occurs` edges between the entities one memory names
     together; new mentions. Entities are created in the memories' order (so their ids do not depend on the
-    batching); a memory seen again (it already mentions its entities) adds no mention and no co-occurrence."""
-    found = [(m, names) for m in memories if (names := mentioned(m.text))]
+    batching); a memory seen again (it already mentions its entities) adds no mention and no co-occurrence.
+
+    `given`: `mentioned` of some texts, worked out before the transaction (the observer's, in the offload process):
+    the extraction is CPU work that would otherwise hold the event loop, and the write lock with it."""
+    found = [(m, names) for m in memories
+             if (names := given[m.text] if given is not None and m.text in given else mentioned(m.text))]
     if not found:
         return 0
     now = time.time()
@@ -160,8 +168,9 @@ async def link_entities(db: aiosqlite.Connection, memories: Sequence[Written]) -
     return len(mentions)
 
 
-async def write_derived(db: aiosqlite.Connection, ids: Sequence[int]) -> None:
-    """Everything derived from these memories' text, inside the caller's transaction."""
+async def write_derived(db: aiosqlite.Connection, ids: Sequence[int], mentions: Mentions | None = None) -> None:
+    """Everything derived from these memories' text, inside the caller's transaction (`link_entities` for
+    `mentions`)."""
     memories = await written(db, ids)
-    await link_entities(db, memories)
+    await link_entities(db, memories, mentions)
     await update_context(db, memories)

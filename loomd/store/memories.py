@@ -19,7 +19,7 @@ import aiosqlite
 from loomd.errors import BadRequest, NotFound
 from loomd.redact import redact_text
 from loomd.store.db import Store
-from loomd.store.derived import write_derived
+from loomd.store.derived import Mentions, write_derived
 from loomd.store.migrations import MEMORY_KINDS
 
 SCOPES = ("user", "project", "session")
@@ -175,9 +175,10 @@ class MemoryWriter:
         self.stale: list[Callable[[Sequence[int]], None]] = []
         self.committed: list[Callable[[], None]] = []
 
-    async def derive(self, db: aiosqlite.Connection, ids: Sequence[int]) -> None:
-        """Derived data (entities, edges, neighbour context) in the same transaction as the memories."""
-        await write_derived(db, ids)
+    async def derive(self, db: aiosqlite.Connection, ids: Sequence[int], mentions: Mentions | None = None) -> None:
+        """Derived data (entities, edges, neighbour context) in the same transaction as the memories; `mentions`:
+        the entities of texts already worked out (`derived.link_entities`)."""
+        await write_derived(db, ids, mentions)
         for listener in self.stale:
             listener(ids)
 

@@ -23,7 +23,7 @@ import aiosqlite
 
 from loomd.errors import BadRequest
 from loomd.store.db import Store
-from loomd.store.derived import update_context
+from loomd.store.derived import update_context, written
 
 SAMPLE = 5  # memories and events named in the plan a person confirms
 
@@ -108,8 +108,11 @@ async def describe(db: aiosqlite.Connection, chosen: Selection) -> dict[str, Any
     }
 
 
-async def remove(db: aiosqlite.Connection, chosen: Selection) -> dict[str, int]:
-    """Delete the selection and every copy a match finds, inside the caller's transaction; rows changed by table."""
+async def remove(db: aiosqlite.Connection, chosen: Selection, *, rebuild_fts: bool = True) -> dict[str, int]:
+    """Delete the selection and every copy a match finds, inside the caller's transaction; rows changed by table.
+
+    `rebuild_fts`: the full-text index is rebuilt, so its old segments no longer hold the removed terms (a purge);
+    GC's retention, which deletes for room and not for secrecy, leaves that to SQLite's own merges."""
     mem, ev = _ids(chosen.memories), _ids(chosen.events)
     changed: dict[str, int] = {}
 
@@ -142,8 +145,8 @@ async def remove(db: aiosqlite.Connection, chosen: Selection) -> dict[str, int]:
     # Blocks injected that showed one (each line of a block closes with " #id").
     await run("injections", "DELETE FROM injections WHERE EXISTS (SELECT 1 FROM json_each(?)"
                             " WHERE instr(injections.text, ' #' || value || char(10)))", [mem])
-    for memory_id in neighbours:
-        changed["ctx"] = changed.get("ctx", 0) + await update_context(db, memory_id)
+    if neighbours:
+        changed["ctx"] = changed.get("ctx", 0) + await update_context(db, await written(db, neighbours))
     for needle in chosen.needles:
         # Copies the selection did not hold: an evidence passage's neighbour text, blocks frozen for a session,
         # the names of entities, the workers' notes.
@@ -166,7 +169,8 @@ async def remove(db: aiosqlite.Connection, chosen: Selection) -> dict[str, int]:
     await run("entities", "DELETE FROM entities WHERE NOT EXISTS (SELECT 1 FROM edges WHERE dst_type = 'entity'"
                           " AND dst_id = entities.id) AND NOT EXISTS (SELECT 1 FROM edges WHERE src_type = 'entity'"
                           " AND src_id = entities.id)")
-    await run("memories_fts", "INSERT INTO memories_fts(memories_fts) VALUES ('rebuild')")
+    if rebuild_fts:
+        await run("memories_fts", "INSERT INTO memories_fts(memories_fts) VALUES ('rebuild')")
     return {name: n for name, n in changed.items() if n}
 
 

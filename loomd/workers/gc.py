@@ -1,6 +1,7 @@
 """GC: TTL expiry, per-project caps, dangling edges, stale tasks, and the purge of raw events — archive-only.
 
-No memory is ever deleted: expired, evicted and stale ones get `archived_at` (and stay fetchable by id). The
+By default no memory is ever deleted: expired, evicted and stale ones get `archived_at` (and stay fetchable by id);
+only a retention the user sets (`archived_ttl_days`) deletes archived ones, that long after they were archived. The
 working set is never touched: memories injected into a recently active session, memories hit recently, open
 tasks and everything linked to them. Raw events older than `event_ttl_days` are purged only once the observer's
 watermark has passed them; an event that a memory cites keeps its row (the provenance link) and loses its payload.
@@ -18,6 +19,7 @@ import aiosqlite
 
 from loomd.config import Config
 from loomd.store.memories import set_archived
+from loomd.store.purge import Selection, remove
 from loomd.workers.base import RunReport, RunRequest, WorkerContext, progress
 
 OPEN_TASK_STATES = ("draft", "active")
@@ -113,6 +115,8 @@ class GC:
             await self.stale_tasks(db, cfg, now, protected, report, scope)
             await self.banned(db, cfg, report, scope)
             await self.dangling_edges(db, report)
+            if cfg.archived_ttl_days > 0:
+                await self.delete_archived(db, cfg, now, protected, report, scope)
             if cfg.event_ttl_days > 0:
                 await self.purge_events(db, cfg, now, report, scope)
             await progress(db, report, 0, report.items_out - before)
@@ -182,6 +186,19 @@ class GC:
             " OR (dst_type = 'entity' AND dst_id NOT IN (SELECT id FROM entities))")
         if cur.rowcount:
             report.wrote("dangling_edges_removed", count=cur.rowcount)
+
+    async def delete_archived(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int],
+                              report: RunReport, scope: Scope) -> None:
+        """Memories archived more than `archived_ttl_days` ago (set by the user; off by default): deleted with
+        every row that hangs on them (purge's `remove`). The events they cited lose that citation, so the event
+        purge (`event_ttl_days`) can then remove them too."""
+        cutoff = now - cfg.archived_ttl_days * 86400
+        ids = await _ids(db, f"SELECT id FROM memories WHERE archived_at IS NOT NULL AND archived_at < ?"
+                             f" AND {scope.where} ORDER BY archived_at LIMIT ?", (cutoff, scope.param, PURGE_BATCH))
+        ids -= protected
+        if ids:
+            await remove(db, Selection(memories=ids), rebuild_fts=False)
+            report.wrote("archived_deleted", count=len(ids))
 
     async def purge_events(self, db: aiosqlite.Connection, cfg: Config, now: float, report: RunReport,
                            scope: Scope) -> None:

@@ -16,6 +16,7 @@ import aiosqlite
 
 from loomd.errors import ModelError
 from loomd.redact import redact_text
+from loomd.store.derived import Mentions, mentioned
 from loomd.store.memories import insert_memory, supersede
 from loomd.workers.base import (
     RunReport,
@@ -52,14 +53,16 @@ async def supersede_errors(db: aiosqlite.Connection, session_id: str, failed_eve
 
 
 def distil(events: list[SourceEvent], context: list[SourceEvent], final: bool,
-           observations: list[Observation] | None) -> tuple[list[Observation], list[Evidence]]:
+           observations: list[Observation] | None) -> tuple[list[Observation], list[Evidence], Mentions]:
     """A chunk's text work, pure (run in the offload process): the rules' observations unless the model gave them,
-    and the evidence passages, their text and context already redacted (`insert_memory(redacted=True)`)."""
+    the evidence passages, their text and context already redacted (`insert_memory(redacted=True)`), and the
+    entities each of those texts mentions (`derive` links them without extracting them again on the loop)."""
     if observations is None:
         observations = observe(events, context, final=final)
     evidence = [replace(item, text=redact_text(item.text), context=redact_text(item.context))
                 for item in evidence_of(to_steps([*context, *events]), {e.id for e in events})]
-    return observations, evidence
+    texts = [o.text for o in observations] + [e.text for e in evidence]
+    return observations, evidence, {text: mentioned(text) for text in texts}
 
 
 def watermark_name(session_id: str) -> str:
@@ -173,10 +176,10 @@ class Observer:
                 else:
                     origin = "observer:model"
             if ctx.offload is None:
-                kept, evidence = distil(events, context, final and last_chunk, observations)
+                kept, evidence, mentions = distil(events, context, final and last_chunk, observations)
             else:  # the CPU-heavy part, in the offload process; if it dies, this chunk waits for the next run
-                kept, evidence = await ctx.offload.call("work", distil, events, context, final and last_chunk,
-                                                        observations)
+                kept, evidence, mentions = await ctx.offload.call("work", distil, events, context,
+                                                                  final and last_chunk, observations)
             new_ids: list[int] = []
             async with ctx.write(req.dry_run) as db:
                 if await get_int_checkpoint(db, watermark_name(session_id)) != watermark:
@@ -200,7 +203,7 @@ class Observer:
                         passages.append(passage_id)
                 report.detail["evidence"] = report.detail.get("evidence", 0) + len(passages)
                 if (new_ids or passages) and not req.dry_run:
-                    await ctx.memories.derive(db, new_ids + passages)
+                    await ctx.memories.derive(db, new_ids + passages, mentions)
                 await set_checkpoint(db, watermark_name(session_id), str(events[-1].id))
                 await progress(db, report, len(events), len(kept))
             report.items_in += len(events)
