@@ -7,6 +7,21 @@ It is written with loomd's own `insert_memory` + `write_derived` (what the `stor
 database file, then a daemon back-fills the vectors (embed_threads 2), and the database is kept in --cache for the
 next run. Each level is measured on a fresh `python -m loomd serve` with the default config.
 
+`--vectors-from DB` (before/after runs of two loomd versions): the back-fill's rows (vectors, mixed vectors, bits,
+recurrence counts, near pairs) are copied from DB, a database this bench built at the same level with the same
+model, instead of embedding the same texts again (an hour at 100k on 2 cores). Memories are matched by session,
+time and content hash; the copy is refused unless every memory has its match. It fills a fresh build, or a cached
+database without vectors; the daemon then back-fills only what the copy left (`backfill_s` says how long).
+
+`--stand-in-vectors` (when the model cannot embed a level in the time there is: 100k texts take an hour or more
+on 2 shared cores): the daemon's own back-fill runs with a stand-in embedder instead of the model, an
+OpenAI-compatible endpoint on 127.0.0.1 served by this script (a hashed bag of words: each word a fixed random
+direction, so texts that share words stay near and near pairs still form), then the rows are labelled with the
+local model's name so the measuring daemon searches them. The query is still embedded by the real model, and the
+index has the real size and shape, so latencies stay comparable between two versions given the same rows
+(`--vectors-from` a stand-in database); result quality is meaningless. Its databases are cached under their own
+name (`…-standin.db`) and the JSON says `"stand_in_vectors": true`.
+
 Measured per level, interleaved round-robin over the same questions (LoCoMo questions and real user prompts):
 `search` hybrid (limit 10, the default), keyword (the FTS-only baseline in the same run), semantic; `context`
 kind prompt (the per-prompt recall the hook asks for) and kind start (a fresh session's block); `ping` (the
@@ -18,24 +33,31 @@ latency is measured while the first back-fill of the level runs and again idle.
 Prints one JSON object on stdout; a markdown table goes to stderr.
 
     python bench/search.py [--quick] [--levels 1000,10000,100000] [--queries 300] [--cache DIR] [--fresh]
+                           [--vectors-from DB] [--stand-in-vectors]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import platform
 import random
 import re
 import shutil
+import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -47,6 +69,7 @@ from loomd.ingest.transcript import parse_file  # noqa: E402
 from loomd.store.db import Store  # noqa: E402
 from loomd.store.derived import write_derived  # noqa: E402
 from loomd.store.memories import insert_memory  # noqa: E402
+from loomd.vectors.embed import LOCAL_DIM, LOCAL_NAME  # noqa: E402
 
 TRANSCRIPTS = REPO.parent / "shared" / "data" / "transcripts"
 PROJECT = "bench:search"
@@ -134,34 +157,135 @@ def ingest_probe(daemon: Daemon, n: int, tag: str) -> list[float]:
     return out
 
 
-def prepare(level: int, texts: list[str], cache: Path, fresh: bool) -> tuple[Path, dict[str, Any]]:
+def copy_vectors(source: Path, target: Path) -> int:
+    """The back-fill's rows of `source` written into `target` (same corpus, same model): what the back-fill would
+    compute from the same texts, sessions and times. Returns the number of vectors copied."""
+    src = sqlite3.connect(f"file:{source}?mode=ro", uri=True)
+    dst = sqlite3.connect(target)
+    try:
+        key = "SELECT session_id, created, content_hash, id FROM memories WHERE project = ?"
+        theirs = {(s, c, h): i for s, c, h, i in src.execute(key, (PROJECT,))}
+        mine = {(s, c, h): i for s, c, h, i in dst.execute(key, (PROJECT,))}
+        missing = [k for k in mine if k not in theirs]
+        if missing:
+            raise SystemExit(f"--vectors-from {source}: {len(missing)} of {len(mine)} memories have no match there")
+        to_mine = {theirs[k]: i for k, i in mine.items()}
+        cols = ", ".join(c for (c,) in src.execute("SELECT name FROM pragma_table_info('memory_vectors')")
+                         if c in {d for (d,) in dst.execute("SELECT name FROM pragma_table_info('memory_vectors')")})
+        rows = [(to_mine[r[0]], *r[1:]) for r in src.execute(f"SELECT {cols} FROM memory_vectors ORDER BY memory_id")
+                if r[0] in to_mine]
+        if len(rows) != len(mine):
+            raise SystemExit(f"--vectors-from {source}: {len(mine) - len(rows)} memories have no vector there")
+        pairs = [(to_mine[a], to_mine[b], c) for a, b, c in src.execute("SELECT a, b, cosine FROM memory_near")
+                 if a in to_mine and b in to_mine]
+        with dst:
+            dst.execute("DELETE FROM memory_vectors")
+            dst.execute("DELETE FROM memory_near")
+            dst.executemany(f"INSERT INTO memory_vectors ({cols}) VALUES ({', '.join('?' * len(cols.split(',')))})",
+                            rows)
+            dst.executemany("INSERT INTO memory_near (a, b, cosine) VALUES (?, ?, ?)", pairs)
+        return len(rows)
+    finally:
+        src.close()
+        dst.close()
+
+
+class StandInEmbeddings(BaseHTTPRequestHandler):
+    """`POST /v1/embeddings` (the OpenAI format) answered with a hashed bag of words: each lower-cased word is a
+    fixed random direction (seeded by its hash), a text is the normalised sum of its words'."""
+
+    words: dict[str, np.ndarray] = {}
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return  # one line per batch of 8 would drown the bench's own output
+
+    def do_POST(self) -> None:
+        texts = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["input"]
+        body = json.dumps({"data": [{"index": i, "embedding": self.vector(t).tolist()}
+                                    for i, t in enumerate(texts)]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    @classmethod
+    def vector(cls, text: str) -> np.ndarray:
+        total = np.zeros(LOCAL_DIM)
+        for word in re.findall(r"\w+", text.lower()) or [text]:
+            if word not in cls.words:
+                seed = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little")
+                cls.words[word] = np.random.default_rng(seed).standard_normal(LOCAL_DIM)
+            total += cls.words[word]
+        return total / (np.linalg.norm(total) or 1.0)
+
+
+def backfill_env(stand_in: ThreadingHTTPServer | None) -> dict[str, str]:
+    """The back-fill daemon's settings: the local model on 2 threads, or the stand-in endpoint."""
+    if stand_in is None:
+        return {"LOOMD_EMBED_THREADS": "2"}
+    return {"LOOMD_EMBEDDER": "openai", "LOOMD_EMBED_URL": f"http://127.0.0.1:{stand_in.server_address[1]}/v1",
+            "LOOMD_EMBED_MODEL": "stand-in", "LOOMD_EMBED_DIM": str(LOCAL_DIM)}
+
+
+def prepare(level: int, texts: list[str], cache: Path, fresh: bool,
+            vectors_from: Path | None = None, stand_in: bool = False) -> tuple[Path, dict[str, Any]]:
     """A database of `level` memories with every vector back-filled (from the cache when it has one)."""
     # A cached database is migrated forward when a daemon opens it; --fresh rebuilds it (after a change to what
     # is derived from a memory's text, or to the corpus, which bumps CORPUS_VERSION).
-    key = f"v{CORPUS_VERSION}-{level}.db"
+    key = f"v{CORPUS_VERSION}-{level}{'-standin' if stand_in else ''}.db"
     cached = cache / key
     info: dict[str, Any] = {"cached": cached.exists() and not fresh}
     if info["cached"]:
+        if vectors_from is not None and not _has_vectors(cached):
+            info["vectors_copied"] = copy_vectors(vectors_from, cached)
+            info["vectors_from"] = str(vectors_from)
         return cached, info
     cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="lmbuild", dir="/tmp"))
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     info["memories"] = asyncio.run(build_db(work / "loomd.db", texts[:level]))
     info["build_s"] = round(time.perf_counter() - t0, 1)
-    d = Daemon({"LOOMD_EMBED_THREADS": "2"}, home=work)
+    # The build's own CPU (every thread of this process): on a shared machine the wall time also counts the others.
+    info["build_cpu_s"] = round(time.process_time() - cpu0, 1)
+    # Said now: the back-fill that follows can take an hour.
+    print(f"level {level}: {info['memories']} memories written in {info['build_s']} s ({info['build_cpu_s']} s CPU)",
+          file=sys.stderr, flush=True)
+    if vectors_from is not None:
+        info["vectors_copied"] = copy_vectors(vectors_from, work / "loomd.db")
+        info["vectors_from"] = str(vectors_from)
+    server = None
+    if stand_in and vectors_from is None:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), StandInEmbeddings)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    d = Daemon(backfill_env(server), home=work)
     try:
         t1 = time.perf_counter()
         time.sleep(0.5)
         info["ingest_ack_ms_during_backfill"] = percentiles(ingest_probe(d, 200, "busy"))
-        status = d.wait_caught_up(timeout=3600)
+        status = d.wait_caught_up(timeout=4 * 3600)  # 100k on 2 busy cores: over an hour
         info["backfill_s"] = round(time.perf_counter() - t1, 1)
         info["vectors"] = status["vectors"]
         info["ingest_ack_ms_idle"] = percentiles(ingest_probe(d, 200, "idle"))
     finally:
         d.stop(keep=True)
+        if server is not None:
+            server.shutdown()
+    if server is not None:  # the measuring daemon runs the local model: the rows must carry its name
+        with sqlite3.connect(work / "loomd.db") as conn:
+            conn.execute("UPDATE memory_vectors SET model = ?", (LOCAL_NAME,))
+        conn.close()
     shutil.copyfile(work / "loomd.db", cached)
     shutil.rmtree(work, ignore_errors=True)
     return cached, info
+
+
+def _has_vectors(db: Path) -> bool:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT 1 FROM memory_vectors LIMIT 1").fetchone() is not None
+    finally:
+        conn.close()
 
 
 def measure(db: Path, queries: list[str], n: int, rng: random.Random) -> dict[str, Any]:
@@ -239,6 +363,10 @@ def main() -> int:
     parser.add_argument("--queries", type=int, default=300, help="questions per level (each runs every op)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "loomd-bench-search")
     parser.add_argument("--fresh", action="store_true", help="rebuild the cached databases")
+    parser.add_argument("--vectors-from", type=Path, help="copy the back-fill's rows from this database of the same"
+                        " level instead of embedding again (see above)")
+    parser.add_argument("--stand-in-vectors", action="store_true", help="back-fill with a stand-in embedder, not"
+                        " the model (see above): for latency comparisons only")
     parser.add_argument("--quick", action="store_true", help="1k and 10k, 100 questions: under a minute when cached")
     args = parser.parse_args()
     levels = [1000, 10000] if args.quick else [int(x) for x in args.levels.split(",")]
@@ -249,14 +377,16 @@ def main() -> int:
     rng = random.Random(11)
     results: dict[str, Any] = {}
     for level in levels:
-        db, info = prepare(level, texts, args.cache, args.fresh)
+        db, info = prepare(level, texts, args.cache, args.fresh, args.vectors_from, args.stand_in_vectors)
         results[str(level)] = {"prepare": info, **measure(db, queries, n, rng)}
         print(f"level {level}: done", file=sys.stderr, flush=True)
     out = {
         "bench": "search", "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                        "loadavg": [round(x, 2) for x in os.getloadavg()]},
         "parameters": {"levels": levels, "queries": n, "corpus_seeds": len(seeds), "query_pool": len(queries),
-                       "session_size": SESSION_SIZE, "cache": str(args.cache), "quick": args.quick},
+                       "session_size": SESSION_SIZE, "cache": str(args.cache), "quick": args.quick,
+                       "vectors_from": str(args.vectors_from) if args.vectors_from else None,
+                       "stand_in_vectors": args.stand_in_vectors},
         "query_embedding_ms_in_process": embed_floor(queries, 100),
         "levels": results, "seconds": round(time.time() - started, 1),
     }
