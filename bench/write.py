@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import hashlib
 import io
 import json
@@ -239,8 +240,9 @@ def prefill_vectors(path: Path, keep_last: int, model: str, dim: int) -> int:
 def embed_alone(texts: list[str], batch: int) -> float:
     """Texts/s of the local embedder alone, as the back-fill runs it: 2 threads, `batch` texts a call, on a thread
     at the back-fill's lower priority (its onnxruntime threads inherit it), the model loaded there too."""
+    from loomd.offload import lower_thread_priority
     from loomd.vectors.embed import LocalEmbedder
-    from loomd.vectors.service import lower_priority
+    from loomd.vectors.service import EMBED_NICENESS
 
     def run() -> float:
         model = LocalEmbedder(threads=2)
@@ -250,7 +252,7 @@ def embed_alone(texts: list[str], batch: int) -> float:
             model.embed(texts[start : start + batch])
         return len(texts) / (time.perf_counter() - started)
 
-    with ThreadPoolExecutor(1, initializer=lower_priority) as pool:
+    with ThreadPoolExecutor(1, initializer=functools.partial(lower_thread_priority, EMBED_NICENESS)) as pool:
         return pool.submit(run).result()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -207,12 +208,14 @@ def shared() -> Offload:
 # --- the child ---------------------------------------------------------------------------------------------------
 
 
-def _yield_cpu(nice: int) -> None:
-    """Lower the calling thread's priority by `nice` (Linux schedules threads, and a thread may always lower its
-    own)."""
-    with contextlib.suppress(OSError):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+def lower_thread_priority(nice: int) -> None:
+    """Lower the calling thread's CPU priority by `nice`: on a busy machine the agent's processes, the hook shims
+    among them, and the daemon's event loop come first. Linux schedules threads (and a thread may always lower its
+    own priority); elsewhere this does nothing."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
 def _child_main(conn: Connection, nice: int) -> None:
@@ -226,9 +229,9 @@ def _child_main(conn: Connection, nice: int) -> None:
         with contextlib.suppress(OSError):
             os.nice(nice)
     send_lock = threading.Lock()
+    lower = functools.partial(lower_thread_priority, nice)
     lanes = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane}",
-                                      initializer=_yield_cpu if nice and per_thread and lane in BACKGROUND else None,
-                                      initargs=(nice,))
+                                      initializer=lower if nice and per_thread and lane in BACKGROUND else None)
              for lane in LANES}
 
     def run(rid: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:

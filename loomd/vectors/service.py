@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import json
 import logging
-import os
 import sqlite3
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,10 +17,18 @@ import numpy as np
 
 from loomd.errors import ChildDied, EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
-from loomd.offload import Offload
+from loomd.offload import Offload, lower_thread_priority
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.vectors.backfill import BATCH, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
-from loomd.vectors.embed import LOCAL_NAME, ChildEmbedder, Embedder, NoEmbedder, make_embedder, release_memory
+from loomd.vectors.embed import (
+    LOCAL_NAME,
+    TRIM_EVERY,
+    ChildEmbedder,
+    Embedder,
+    NoEmbedder,
+    make_embedder,
+    release_memory,
+)
 from loomd.vectors.index import PREFILTER, BitIndex, Filters
 
 if TYPE_CHECKING:
@@ -35,18 +40,9 @@ log = logging.getLogger(__name__)
 EMBED_NICENESS = 10
 
 
-def lower_priority() -> None:
-    """Run this (embedding) thread at a lower CPU priority: on a busy machine the agent's own processes, the hook
-    shims among them, and the daemon's event loop come first. Linux sets it per thread; elsewhere it is skipped."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), EMBED_NICENESS)
-
-
 # What the back-fill retries after (a locked or full disk included) instead of dying for the daemon's lifetime.
 BACKFILL_RETRY: tuple[type[Exception], ...] = (EmbedderError, StorageError, ValueError, *DB_ERRORS)
 RECOUNT_CHUNK = 64
-TRIM_EVERY = 8  # queries between two trims of the query thread's heap
 # A filtered search that keeps too few prefilter candidates scans the filtered set exactly, up to this many rows.
 EXACT_LIMIT = 50_000
 
@@ -86,8 +82,10 @@ class VectorService:
         self._queries = 0
         self.private = PrivateProjects(store.path.parent / PRIVATE_FILE)  # `loom project private`
         self._private_keys = self.private.current()
-        self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill", initializer=lower_priority)
-        self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query", initializer=lower_priority)
+        # The back-fill yields the CPU; a search's thread (what a person or a hook waits on) does not.
+        self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill",
+                                        initializer=functools.partial(lower_thread_priority, EMBED_NICENESS))
+        self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query")
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
