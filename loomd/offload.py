@@ -62,8 +62,10 @@ class Offload:
 
     @property
     def pid(self) -> int | None:
+        # `_conn` cleared: closed, or its reader saw it die. `is_alive()` alone can say "alive" for a child already
+        # reaped by the reader thread's own join (both threads wait on it; the loser's waitpid finds no child).
         proc = self._proc
-        return proc.pid if proc is not None and proc.is_alive() else None
+        return proc.pid if proc is not None and self._conn is not None and proc.is_alive() else None
 
     def status(self) -> dict[str, Any]:
         return {"pid": self.pid, "starts": self.starts, "calls": self.calls, "in_flight": len(self._pending)}
