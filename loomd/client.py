@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import socket
 import time
@@ -69,9 +70,13 @@ class Client:
         return self._sock
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            # Shut down first: a thread blocked in recv on this socket (`loom import`'s workers, when another
+            # file's call failed) wakes with EOF; close alone leaves it waiting and the process cannot exit.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
     def _recv_exactly(self, n: int) -> bytes:
         sock = self.connect()
