@@ -115,6 +115,7 @@ class Config:
     project_memory_cap: int = 5000
     worker_interval_s: float = 60.0
     observe_idle_s: float = 600.0  # a session quiet this long is observed (and its open todos noted)
+    import_idle_s: float = 30.0  # `loom import`'s parser processes stop when no file came for this long
     working_set_days: float = 7.0  # injected into a session active, or hit, this recently: never archived
     stale_task_days: float = 30.0  # an open task untouched this long is archived by GC
     # optional model endpoint

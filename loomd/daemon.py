@@ -159,7 +159,7 @@ class Daemon:
             raise StartupError(str(exc)) from None
         except OSError as exc:
             raise StartupError(f"cannot create {paths.spool}: {exc.strerror or exc}") from None
-        self.history = HistoryImporter(self.store, self.tailer)
+        self.history = HistoryImporter(self.store, self.tailer, idle_s=self.config.import_idle_s)
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,

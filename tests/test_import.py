@@ -184,13 +184,18 @@ async def test_import_equals_the_tailer_and_does_not_double_tailed_sessions(
     assert set(history.mains) <= sessions and len(sessions) == len(history.mains) + len(CODEX_FILES)
 
 
+@pytest.fixture
+def parsers_idle_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The import parsers stop half a second after the last file (the setting, before the daemon starts)."""
+    monkeypatch.setenv("LOOMD_IMPORT_IDLE_S", "0.5")
+
+
 async def test_dry_run_writes_nothing_and_a_second_import_adds_nothing(
-        daemon: Daemon, client: AsyncClient, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        parsers_idle_soon: None, daemon: Daemon, client: AsyncClient, home: Path, tmp_path: Path) -> None:
     """The plan names what the folders hold (CLAUDE_CONFIG_DIR and CODEX_HOME honoured); --dry-run stores nothing;
     without a terminal and without --yes it refuses; an import then a second one: the second adds 0 events, and so
     does a forced re-read (the event keys, not the import records, make it so). The files are parsed in the
     daemon's parser processes, which stop once no file comes."""
-    monkeypatch.setattr("loomd.ingest.history.IDLE_CLOSE_S", 0.5)
     history = make_history(tmp_path / "h")
     rc, out, err = await loom(home, history, "import", "--dry-run", "--json")
     assert rc == 0, err

@@ -46,7 +46,6 @@ CHECKPOINT = "import:"
 # Child processes that parse history files: a core is left to the daemon's writes (and each holds ~55 MB while an
 # import runs), up to 4.
 PARSERS = max(1, min(4, (os.cpu_count() or 1) - 1))
-IDLE_CLOSE_S = 30.0  # they stop when no file came for this long
 _UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -230,11 +229,13 @@ class ParserPool:
     helper's lower one: the import is the job a person waits for, and on a busy machine a niced parser starved
     (a 20k-event import took 51 s against 23 s in the daemon's own process, load average 12 on 2 CPUs); the loop
     loses nothing by it, since the parse no longer holds its interpreter lock. The children start with the first
-    file and stop when no file came for IDLE_CLOSE_S, so an idle daemon holds none. A child that dies fails
-    nothing: that file is parsed in a thread of the daemon instead, and the next file starts a fresh child."""
+    file and stop when no file came for `idle_s` (the `import_idle_s` setting), so an idle daemon holds none. A
+    child that dies fails nothing: that file is parsed in a thread of the daemon instead, and the next file starts a
+    fresh child."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, idle_s: float) -> None:
         self.children = [Offload(nice=0) for _ in range(max(1, size))]
+        self.idle_s = idle_s
         self.busy = [0] * len(self.children)
         self.files = 0
         self.fallbacks = 0
@@ -260,14 +261,14 @@ class ParserPool:
 
     def _schedule_close(self) -> None:
         if self._closer is None:
-            self._closer = asyncio.get_running_loop().call_later(IDLE_CLOSE_S, self._close_if_idle)
+            self._closer = asyncio.get_running_loop().call_later(self.idle_s, self._close_if_idle)
 
     def _close_if_idle(self) -> None:
         self._closer = None
         idle = time.monotonic() - self._last
-        if any(self.busy) or idle < IDLE_CLOSE_S:
-            self._closer = asyncio.get_running_loop().call_later(IDLE_CLOSE_S - idle if idle < IDLE_CLOSE_S
-                                                                 else IDLE_CLOSE_S, self._close_if_idle)
+        if any(self.busy) or idle < self.idle_s:
+            self._closer = asyncio.get_running_loop().call_later(
+                self.idle_s - idle if idle < self.idle_s else self.idle_s, self._close_if_idle)
             return
         asyncio.get_running_loop().run_in_executor(None, self.close)
 
@@ -292,10 +293,10 @@ class HistoryImporter:
     """The daemon's side of `loom import`: the scan, and each file's import (the CLI sends a few at a time; the
     parser pool reads them, the writer commits them in batches shared with live hooks)."""
 
-    def __init__(self, store: Store, tailer: Tailer, parsers: int = PARSERS) -> None:
+    def __init__(self, store: Store, tailer: Tailer, idle_s: float, parsers: int = PARSERS) -> None:
         self.store = store
         self.tailer = tailer
-        self.pool = ParserPool(parsers)
+        self.pool = ParserPool(parsers, idle_s)
 
     async def close(self) -> None:
         await self.pool.shutdown()
