@@ -51,7 +51,7 @@ NEAR_DUPLICATE = 0.75  # a hit sharing this share of its terms with a better one
 SPARE_HITS = 10  # hits kept past the limit, to move up when a hit shown collapses into another
 REPEATED = 0.8  # a hit whose terms are this share of a shown one's shows nothing new ...
 REPEAT_MIN_TERMS = 8  # ... when it has this many (a few words are held by many texts)
-ASIDE_PRIOR = 0.5  # see `is_aside`: 0.4–0.8 all lift coding QA (all@5 .57 → .60–.62)
+ASIDE_PRIOR = 0.5  # see `workers/evidence.is_aside`: 0.4–0.8 all lift coding QA (all@5 .57 → .60–.62)
 DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passage's score takes the passage's slot
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
 FTS_BUDGET = 10_000
@@ -444,7 +444,7 @@ async def search_hits(
                                     [json.dumps([f[0] for f in looked])])
     by_id = {row["id"]: row for row in rows}
     if knobs["aside_prior"] < 1:
-        asides = {i for i, row in by_id.items() if is_aside(row["kind"], row["meta"])}
+        asides = {i for i, row in by_id.items() if marked_aside(row["kind"], row["meta"])}
         share = knobs["aside_prior"]
         looked = sorted(((i, score * share if i in asides else score, parts) for i, score, parts in looked),
                         key=lambda f: (-f[1], f[0]))
@@ -512,7 +512,7 @@ def dense_wins(terms: Sequence[str], dense: Mapping[str, Any], passage: Mapping[
     return mine > theirs or (mine >= theirs - 1 and dense["score"] >= DENSE_WINS * passage["score"])
 
 
-def is_aside(kind: str, meta: str | None) -> bool:
+def marked_aside(kind: str, meta: str | None) -> bool:
     """Is this memory a passage of a step that says nothing of its own (`workers/evidence.is_aside`)?"""
     if kind != "evidence" or not meta or '"aside"' not in meta:
         return False
