@@ -127,6 +127,7 @@ def shot(driver: Any, name: str) -> None:
 
 def submit(driver: Any, element: Any) -> None:
     """Click a submit button (or submit a field's form) and wait for the page that answers it."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
@@ -136,7 +137,9 @@ def submit(driver: Any, element: Any) -> None:
         element.click()
     else:
         element.submit()
-    WebDriverWait(driver, 10).until(expected_conditions.staleness_of(old))
+    # Chrome may answer a look at a node of the page being replaced with "Node with given id does not belong to the
+    # document" (an unknown error, not StaleElementReference): that node is gone too, so the wait asks again.
+    WebDriverWait(driver, 10, ignored_exceptions=[WebDriverException]).until(expected_conditions.staleness_of(old))
 
 
 def h1(driver: Any) -> str:
