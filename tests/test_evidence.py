@@ -294,3 +294,24 @@ async def test_two_steps_that_show_the_same_window_take_one_slot(client: AsyncCl
     shown = [r for r in results if "Disable autoApproveTrustPrompt" in r["text"]]
     assert len(shown) == 1 and shown[0]["collapsed"], results
     assert any("trust prompt step is skipped" in r["text"] for r in results)
+
+
+async def test_an_observation_shows_the_lines_of_its_step_that_match(client: AsyncClient) -> None:
+    """An observation is a clip of its step ("Reported: <first sentence>"); when it takes the step's slot, it shows
+    the step's lines that match the query in the room a passage would have: here the line that answers."""
+    filler = [f"- checked module {i} of the settings screen: nothing to change" for i in range(40)]
+    report = "\n".join([
+        "Reviewed the release checklist for the uploader service.", *filler,
+        "- Release checklist, last step: sign the uploader tag with ops/keys/release.asc before pushing it."])
+    project = await _session(client, "clip-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "go over what a release of the uploader needs"},
+        _said(report),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "thanks, now bump the version in package.json"},
+        _said("Bumped the version in package.json to 2.4.1."),
+    ])
+    query = "release checklist of the uploader service"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
+    (clip,) = [r for r in results if r["text"].startswith("Reported: Reviewed the release checklist")]
+    assert clip["kind"] == "observation" and clip["collapsed"], results  # the report's passage took no slot
+    assert "ops/keys/release.asc" in clip["text"] and "module 3 " not in clip["text"], clip["text"]
+    assert len(clip["text"]) <= LEAD_CHARS
