@@ -17,7 +17,7 @@ from secret_corpus import GITHUB_PAT
 from test_workers import PROJECT, loomd, work_session
 
 from loomd.errors import ModelError
-from loomd.ingest.reading import command_heads, commit_subject, first_error_line
+from loomd.ingest.reading import clip, command_heads, commit_subject, first_error_line
 from loomd.ingest.sentences import classify_user_sentence
 from loomd.workers.model import ModelClient, parse_observations
 from loomd.workers.reflector import Mem, contradicts, same_meaning, supersedes
@@ -192,6 +192,19 @@ def test_a_compaction_summary_keeps_intent_pending_work_and_fixes() -> None:
                        "git stash") in got
     assert ("todo", "Before compaction: Close issue #351 since deals are already implemented") in got
     assert not any("None explicitly" in t for _, t in got)
+
+
+def test_a_fix_in_a_code_span_is_not_cut_by_the_clip() -> None:
+    """The clip finishes a `code span` it would cut when it closes soon after; a longer one is left out whole."""
+    s = Session()
+    s.add("compact_summary", {"text": (
+        "Summary:\n4. Errors and fixes:\n"
+        "   - **Bodyclose Linting Failures**: WebSocket Dial operations didn't close HTTP response bodies:\n"
+        "      - Fixed by adding proper cleanup: `if resp != nil && resp.Body != nil { defer resp.Body.Close() }`\n")})
+    (fix,) = [t for k, t in s.observe() if k == "pitfall"]
+    assert fix.endswith("`if resp != nil && resp.Body != nil { defer resp.Body.Close() }`"), fix
+    long_span = "Run " + "step " * 30 + "then `" + "make lint-all-the-things " * 10 + "` and read its output"
+    assert clip(long_span).endswith("then…") and len(clip(long_span)) <= 200
 
 
 def test_context_events_pair_and_inform_but_produce_nothing_themselves() -> None:

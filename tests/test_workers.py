@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from loomd.cli import main as cli_main
 from loomd.client import AsyncClient, Client
 from loomd.daemon import Daemon
+from loomd.ingest.reading import CLIP_CHARS, CODE_SLACK
 from loomd.store.db import connect_sync
 from loomd.workers.digest import budgets, render_digest
 from loomd.workers.observer import CHUNK_EVENTS
@@ -701,8 +702,9 @@ async def test_every_real_session_replays_into_observations_and_reflections(monk
             " WHERE e.type = 'supports' AND e.src_type = 'memory' AND e.dst_type = 'memory'")
         assert reflected >= len(observed) // 2
         assert await d.store.scalar("SELECT count(*) FROM jobs WHERE outcome = 'error'") == 0
+        # An observation is clipped to CLIP_CHARS, or to the end of a code span the clip would cut (`clip`).
         too_long = await d.store.scalar("SELECT count(*) FROM memories WHERE kind = 'observation'"
-                                        " AND length(text) > 200")
+                                        " AND length(text) > ?", (CLIP_CHARS + CODE_SLACK + 1,))
         assert too_long == 0
 
 

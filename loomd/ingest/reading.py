@@ -9,15 +9,24 @@ import shlex
 from typing import Any
 
 CLIP_CHARS = 200
+CODE_SLACK = 100  # see `clip`
 
 
 def clip(text: str, limit: int = CLIP_CHARS) -> str:
     """One line, at most `limit` characters, cut at a word boundary (an ellipsis marks the cut): never inside a
-    path, a command or an identifier, unless one word alone is longer than half the room."""
+    path, a command or an identifier, unless one word alone is longer than half the room. A `code span` the cut
+    would open is finished when it closes within CODE_SLACK more characters (the fix in "Fixed by adding
+    `if resp != nil { defer resp.Body.Close() }`" is the point of the line), else the cut moves before it."""
     text = " ".join(text.split())
     if len(text) <= limit:
         return text
     cut = text.rfind(" ", 0, limit)
+    if cut > limit // 2 and text.count("`", 0, cut) % 2:
+        opened, closed = text.rfind("`", 0, cut), text.find("`", cut)
+        if 0 <= closed < limit + CODE_SLACK:
+            return text if closed == len(text) - 1 else text[: closed + 1] + "…"
+        if opened > limit // 2:
+            cut = opened
     return (text[:cut].rstrip(" ,;:") if cut > limit // 2 else text[: limit - 1].rstrip()) + "…"
 
 
