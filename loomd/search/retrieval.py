@@ -541,6 +541,10 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
     def holds(line: str) -> frozenset[str]:
         return held_terms(terms, line)
 
+    # The steps every hit may show, in one read: an evidence hit's own step, an observation's source steps.
+    wanted = {e for hit in hits if hit.memory["kind"] in ("evidence", "observation")
+              for e in sources.get(hit.memory["id"], ())[:1 if hit.memory["kind"] == "evidence" else MAX_SOURCE_STEPS]}
+    steps = await _steps(store, sorted(wanted)) if wanted else {}
     shown: list[tuple[Hit, frozenset[str]]] = []
     for hit in hits:
         if len(shown) == limit:
@@ -550,11 +554,11 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
         events = sources.get(memory_id, ())
         room = lead if not shown else budget
         if head is not None and events:
-            passages, lines = (await _steps(store, events[:1])).get((events[0], head), (0, []))
+            passages, lines = steps.get((events[0], head), (0, []))
             if passages > 1 or len(hit.memory["text"]) > room:
                 hit.memory["text"] = best_windows(head, lines, holds, room)
         elif hit.memory["kind"] == "observation" and events:
-            hit.memory["text"] = await _with_source_lines(store, hit.memory["text"], events, holds, room)
+            hit.memory["text"] = with_source_lines(hit.memory["text"], events[:MAX_SOURCE_STEPS], steps, holds, room)
         words = frozenset(query_terms(hit.memory["text"], limit=None))
         twin = next((h for h, w in shown if _repeats(words, w, repeated)), None)
         if twin is not None:
@@ -579,28 +583,28 @@ async def _steps(store: Store, events: Sequence[int]) -> dict[tuple[int, str], t
             for key, texts in parts.items()}
 
 
-async def _with_source_lines(store: Store, text: str, events: Sequence[int],
-                             holds: Callable[[str], frozenset[str]], room: int) -> str:
+def with_source_lines(text: str, events: Sequence[int], steps: Mapping[tuple[int, str], tuple[int, list[str]]],
+                      holds: Callable[[str], frozenset[str]], room: int) -> str:
     """An observation followed by the lines of its source step that match the query, in the room a passage hit
     would have: an observation is a clip ("Reported: <first sentence>", "User asked (before compaction): …",
     "Edited a, b") that takes the slot of the step it came from (the provenance collapse), and the answer is often
-    further down that step (coding QA dev set, same store: all@5 .62 → .65, tokens in the top 5 645 → 731). Of
-    several source steps (an observation of many edits), the one whose lines hold the most query terms."""
+    further down that step (coding QA dev set, same store: all@5 .62 → .65, tokens in the top 5 645 → 728). Of
+    several source steps (an observation of many edits), the one whose lines hold the most query terms; what the
+    clip already says is not shown twice (a report's first sentence is its "Reported: …")."""
     left = room - len(text) - 1
-    if left < MIN_SOURCE_ROOM:
-        return text
-    steps = await _steps(store, events[:MAX_SOURCE_STEPS])
-    if not steps:
+    mine = {key: [line for line in value[1] if line.strip() not in text]
+            for key, value in steps.items() if key[0] in events}
+    if left < MIN_SOURCE_ROOM or not mine:
         return text
 
     def held(key: tuple[int, str]) -> int:
-        return len(frozenset().union(*(holds(line) for line in steps[key][1] if line.strip() not in text)))
+        return len(frozenset().union(*(holds(line) for line in mine[key])))
 
-    best = max(steps, key=lambda k: (held(k), -events.index(k[0])))
-    # What the clip already says is not shown twice (a report's first sentence is its "Reported: …").
-    head, lines = best[1], [line for line in steps[best][1] if line.strip() not in text]
-    body = best_windows(head, lines, holds, left + len(head) + 1)[len(head) + 1:]
-    return f"{text}\n{body}" if body.strip(f" {GAP}\n") and body.strip(f" {GAP}\n") not in text else text
+    best = max(mine, key=lambda k: (held(k), -events.index(k[0])))
+    head = best[1]
+    body = best_windows(head, mine[best], holds, left + len(head) + 1)[len(head) + 1:]
+    shown = body.strip(f" {GAP}\n")
+    return f"{text}\n{body}" if shown and shown not in text else text
 
 
 def _repeats(mine: frozenset[str], shown: frozenset[str], share: float = REPEATED) -> bool:
