@@ -5,7 +5,8 @@ LOOMD_HOME, passive workers, local embedder on, transcript tailing on with a pri
 named to the tailer by a SessionStart hook carrying its `transcript_path` (subagent files by SubagentStop's
 `agent_transcript_path`), exactly as a live agent names it, and read to its end; a hook-only session's payload logs
 go through the `hook` op as the shim sends them. Then the workers run as at the end of a session: the observer
-(final) per session, the reflector and the digest per project; and the vector back-fill is waited for.
+(final) per session; once the vector back-fill has caught up, the reflector and the digest per project; and the
+back-fill is waited for again.
 
 Each question is asked three ways in its session's project (the project most of the session's events carry; the
 session's row keeps its first event's, and Claude's `cwd` follows the agent's `cd`, so the two can differ):
@@ -711,6 +712,12 @@ def main(argv: list[str] | None = None) -> int:
             replay(daemon, s)
             sys.stderr.write(f"replayed {s.id}: {s.replay['ingest_s']} s ingest, {s.replay['observer_s']} s observer\n")
         store_projects = [] if reuse else sorted({p for (p,) in daemon.sql("SELECT DISTINCT project FROM memories")})
+        t = time.monotonic()
+        if store_projects:
+            # The reflector compares memories by their vectors when both have one: run it on a store the back-fill
+            # has caught up with, as a live daemon's schedule does, not on whichever vectors a race left.
+            daemon.wait_caught_up()
+        first_backfill_s = time.monotonic() - t
         project_runs = []
         for project in store_projects:
             for worker in ("reflector", "digest"):
@@ -718,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
                 run = daemon.call("workers_run", {"name": worker, "project": project})
                 project_runs.append({"worker": worker, "project": project, "outcome": run.get("outcome"),
                                      "error": run.get("error"), "seconds": round(time.monotonic() - t, 2)})
-        workers_s = time.monotonic() - t0 - sum(s.replay["ingest_s"] + s.replay["observer_s"] for s in sessions)
+        replayed_s = sum(s.replay["ingest_s"] + s.replay["observer_s"] for s in sessions)
+        workers_s = time.monotonic() - t0 - replayed_s - first_backfill_s
         t = time.monotonic()
         embedder = daemon.wait_caught_up()
         backfill_s = time.monotonic() - t
@@ -753,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
                    "answer_only_in_events": sum(1 for d in misses if not d.get("stored") and d.get("in_events")),
                    "answer_in_no_event": sum(1 for d in misses if not d.get("in_events"))},
         "replay": {"seconds": round(replay_s, 1), "reflector_digest_s": round(workers_s, 1),
+                   "backfill_before_reflector_s": round(first_backfill_s, 1),
                    "backfill_wait_s": round(backfill_s, 1), "ask_s": round(ask_s, 1),
                    "vectors": embedder.get("vectors"), "failed_runs": failed,
                    "sessions": {s.id: s.replay for s in sessions}},
