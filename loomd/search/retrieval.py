@@ -589,11 +589,16 @@ def with_source_lines(text: str, events: Sequence[int], steps: Mapping[tuple[int
     would have: an observation is a clip ("Reported: <first sentence>", "User asked (before compaction): …",
     "Edited a, b") that takes the slot of the step it came from (the provenance collapse), and the answer is often
     further down that step (coding QA dev set, same store: all@5 .62 → .65, tokens in the top 5 645 → 728). Of
-    several source steps (an observation of many edits), the one whose lines hold the most query terms; what the
-    clip already says is not shown twice (a report's first sentence is its "Reported: …")."""
+    several source steps (an observation of many edits), the one whose lines hold the most query terms; a line that
+    says nearly only what the clip says (a report's first line is its "Reported: …") is not shown again."""
     left = room - len(text) - 1
-    mine = {key: [line for line in value[1] if line.strip() not in text]
-            for key, value in steps.items() if key[0] in events}
+    said = frozenset(query_terms(text, limit=None))
+
+    def new(line: str) -> bool:  # not what the clip says already ("Perfect! <the reported sentence> …")
+        words = frozenset(query_terms(line, limit=None))
+        return line.strip() not in text and (not words or len(words - said) > (1 - REPEATED) * len(words))
+
+    mine = {key: [line for line in value[1] if new(line)] for key, value in steps.items() if key[0] in events}
     if left < MIN_SOURCE_ROOM or not mine:
         return text
 
