@@ -177,6 +177,23 @@ def test_a_choice_keeps_its_object_and_the_user_speaks_outside_prompts() -> None
     assert ("preference", "Prioritize tests over speed of delivery, always.") in got
 
 
+def test_a_change_the_user_asked_for_is_a_decision_with_what_it_became() -> None:
+    """"Let's make X be Y" is the user's choice; its object is in the agent's report of the change."""
+    s = Session()
+    s.user("Let's modify the link button to be classic blue link color")
+    s.run("", "The file has been updated.", tool="Edit", tool_input={
+        "file_path": "docs/showcase.html", "old_string": "color: var(--primary-600);", "new_string": "color: #0066cc;"})
+    s.assistant("Perfect! The link button now uses classic blue (#0066cc) with a darker blue (#004499) on hover.")
+    s.user("make sure you commit and push to run on the latest")  # a rule, not a change of how a thing is
+    s.assistant("Committed and pushed the showcase change to the main branch.")
+    s.user("update the readme to mention the new theme")  # reported on something else: no decision
+    s.assistant("Done: I added a section about the warm orange palette to the docs.")
+    got = s.observe(final=True)
+    decisions = [t for k, t in got if k == "decision"]
+    assert decisions == ["Let's modify the link button to be classic blue link color → The link button now uses "
+                         "classic blue (#0066cc) with a darker blue (#004499) on hover."], got
+
+
 def test_a_compaction_summary_keeps_intent_pending_work_and_fixes() -> None:
     s = Session()
     s.add("compact_summary", {"text": (

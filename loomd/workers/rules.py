@@ -94,6 +94,14 @@ def _same_job(failed: str, fixed: str) -> bool:
     return jaccard(content_words(failed.split("<<", 1)[0]), content_words(fixed.split("<<", 1)[0])) >= 0.4
 
 
+# The user's request to change how something is: "let's modify the link button to be classic blue", "make the
+# header sticky", "change the port to 8080" (not "make sure …", not a question).
+CHANGE_REQUEST = re.compile(
+    r"^(?:(?:ok(?:ay)?|alright|now|great|cool|nice|perfect|good|thanks)[,.!]*\s+)?(?:let'?s\s+|please\s+)?"
+    r"(?:make|change|modify|set|switch|turn|update|recolou?r)\s+(?!sure\b)[^?]{2,80}?\s+"
+    r"(?:to be|to|into|as|more|less|a bit)\s+[^?]{2,80}$", re.IGNORECASE)
+
+
 @dataclass
 class _Lane:
     """Per lane (main thread or one subagent) state while walking a session."""
@@ -110,6 +118,7 @@ class _Lane:
     runs: int = 0
     last_ask: Step | None = None  # the user's latest prompt (main lane)
     last_said: Step | None = None  # the agent's latest message, kept past the end of its turn
+    change: str = ""  # the user's request of this turn to change how something is ("make the links blue")
 
 
 class RuleObserver:
@@ -169,6 +178,8 @@ class RuleObserver:
             return
         lane.last_ask = step
         self.user_voice(step.text, step, "User asked")
+        words = " ".join(clean_user_text(step.text).split())
+        lane.change = words if len(words) <= 160 and CHANGE_REQUEST.match(words) else ""
 
     def user_voice(self, text: str, step: Step, lead: str, steers: bool = False) -> None:
         """The human user's own words (a prompt, the words given with a rejected call, a note on an answer):
@@ -216,6 +227,11 @@ class RuleObserver:
             if report and clip(report).lower() not in said:
                 prefix = "Subagent reported: " if sidechain else "Reported: "
                 self.emit("progress", prefix + report, last)
+            # A change the user asked for, with what it became: "make the link button classic blue" is a choice
+            # whose object is in the report of it ("now uses #0066cc, #004499 on hover").
+            if lane.change and report and content_words(lane.change) & content_words(report):
+                self.emit("decision", f"{clip(lane.change, 100)} → {report}", last, by="user")
+            lane.change = ""
         if lane.created:
             paths = list(dict.fromkeys(p for p, _ in lane.created))
             self.emit("progress", "Created " + ", ".join(paths[:6]), lane.created[-1][1],
