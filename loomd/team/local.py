@@ -7,7 +7,7 @@ triggers read as "not a local change", so a pull never echoes back as a push.
 
 from __future__ import annotations
 
-import asyncio
+import sqlite3
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +16,7 @@ import aiosqlite
 import numpy as np
 
 from loomd.redact import redact_text
+from loomd.store.db import on_thread
 from loomd.store.memories import MemoryWriter, content_hash, estimate_tokens, insert_memory
 from loomd.store.migrations import SHARED_KINDS
 from loomd.team.rows import Shared, uuid7
@@ -47,24 +48,25 @@ def _private_clause(private: Collection[str]) -> tuple[str, list[str]]:
     return f" AND m.project NOT IN ({','.join('?' * len(private))})", sorted(private)
 
 
-async def assign_gids(db: aiosqlite.Connection, private: Collection[str], limit: int) -> int:
+def assign_gids(conn: sqlite3.Connection, private: Collection[str], limit: int) -> int:
     """Give a global id to queued memories that have none, committed before any push: a push cut short and
-    replayed sends the same ids, so the server never sees one memory twice."""
+    replayed sends the same ids, so the server never sees one memory twice. On the writer's thread (`on_thread`),
+    inside the caller's transaction."""
     clause, params = _private_clause(private)
-    return await _give_gids(db, f"SELECT m.id, m.created FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
-                                f" WHERE m.gid IS NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?",
-                            (*params, limit))
+    return _give_gids(conn, f"SELECT m.id, m.created FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
+                            f" WHERE m.gid IS NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?",
+                      (*params, limit))
 
 
-async def assign_evidence_gids(db: aiosqlite.Connection, project: str, limit: int) -> int:
+def assign_evidence_gids(conn: sqlite3.Connection, project: str, limit: int) -> int:
     """The same for a project's evidence passages not yet pushed (an opted-in project, `evidence_outgoing`)."""
-    return await _give_gids(db, f"SELECT m.id, m.created FROM memories m WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NULL"
-                                " ORDER BY m.id LIMIT ?", (project, limit))
+    return _give_gids(conn, f"SELECT m.id, m.created FROM memories m WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NULL"
+                            " ORDER BY m.id LIMIT ?", (project, limit))
 
 
-async def _give_gids(db: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> int:
-    rows = list(await db.execute_fetchall(sql, params))
-    await db.executemany("UPDATE memories SET gid = ? WHERE id = ?", [(uuid7(r[1]), r[0]) for r in rows])
+def _give_gids(conn: sqlite3.Connection, sql: str, params: Sequence[Any]) -> int:
+    rows = conn.execute(sql, params).fetchall()
+    conn.executemany("UPDATE memories SET gid = ? WHERE id = ?", [(uuid7(r[1]), r[0]) for r in rows])
     return len(rows)
 
 
@@ -77,33 +79,38 @@ _VECTOR = " LEFT JOIN memory_vectors v ON v.memory_id = m.id AND v.content_hash 
 _UNSHARED_EVIDENCE = "m.project = ? AND m.kind = 'evidence' AND m.shared_changed IS NULL AND m.device IS NULL"
 
 
-async def outgoing(db: aiosqlite.Connection, who: Identity, private: Collection[str], limit: int) -> list[Outgoing]:
-    """The oldest queued changes as server rows, text re-redacted (the redactor may have learnt since it was
-    stored), with a provenance summary (never the evidence itself) and the vector when it is computed."""
+async def outgoing(db: aiosqlite.Connection, private: Collection[str], limit: int) -> list[dict[str, Any]]:
+    """The oldest queued changes, as plain rows for `to_push`, with a provenance summary (never the evidence
+    itself) and the vector when it is computed."""
     clause, params = _private_clause(private)
-    rows = list(await db.execute_fetchall(
+    return await _plain_rows(db,
         f"SELECT {_ROW}, o.changed AS queued,"
         # The link as this machine knows it: a local one by its target's global id, else one still waiting for
         # its target (pulled before it): a local edit of such a memory must not drop the server's link.
         f" CASE WHEN m.superseded_by IS NULL THEN m.superseded_gid ELSE s.gid END AS superseded_target"
         f" FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
         f" LEFT JOIN memories s ON s.id = m.superseded_by{_VECTOR}"
-        f" WHERE m.gid IS NOT NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?", (*params, limit)))
-    # Redaction and the vectors' copies are CPU work: off the event loop, which serves the hooks meanwhile.
-    return await asyncio.to_thread(_outgoing_rows, rows, who)
+        f" WHERE m.gid IS NOT NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?", (*params, limit))
 
 
-async def evidence_outgoing(db: aiosqlite.Connection, who: Identity, project: str, limit: int) -> list[Outgoing]:
-    """A project's evidence passages not yet on the server, oldest first, as server rows: their text re-redacted
-    like a memory's, never the raw events they cite (the provenance counts them). Sent once: a passage is never
-    edited, and `mark_pushed` records the version the server holds."""
-    rows = list(await db.execute_fetchall(
+async def evidence_outgoing(db: aiosqlite.Connection, project: str, limit: int) -> list[dict[str, Any]]:
+    """A project's evidence passages not yet on the server, oldest first, as plain rows for `to_push`: their text
+    is re-redacted like a memory's, never the raw events they cite (the provenance counts them). Sent once: a
+    passage is never edited, and `mark_pushed` records the version the server holds."""
+    return await _plain_rows(db,
         f"SELECT {_ROW}, m.updated AS queued, NULL AS superseded_target FROM memories m{_VECTOR}"
-        f" WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NOT NULL ORDER BY m.id LIMIT ?", (project, limit)))
-    return await asyncio.to_thread(_outgoing_rows, rows, who)
+        f" WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NOT NULL ORDER BY m.id LIMIT ?", (project, limit))
 
 
-def _outgoing_rows(rows: Sequence[Any], who: Identity) -> list[Outgoing]:
+async def _plain_rows(db: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
+    """Rows as dicts, made on the connection's thread in one trip: they are sent to the offload process."""
+    return await on_thread(db, lambda conn: [dict(r) for r in conn.execute(sql, params).fetchall()])
+
+
+def to_push(rows: Sequence[dict[str, Any]], who: Identity) -> list[Outgoing]:
+    """Server rows, their text and tags re-redacted (the redactor may have learnt since they were stored). Run in
+    the offload process: redaction is CPU work (tens of milliseconds a batch for long passages) that, on a thread
+    of the daemon, would hold the interpreter lock the event loop needs to answer hooks."""
     out = []
     for r in rows:
         provenance = {"origin": r["origin"], "agent": r["agent"], "sources": r["nsources"], "hits": r["hits"]}
@@ -119,13 +126,13 @@ def _outgoing_rows(rows: Sequence[Any], who: Identity) -> list[Outgoing]:
     return out
 
 
-async def mark_pushed(db: aiosqlite.Connection, done: Sequence[Outgoing]) -> None:
+def mark_pushed(conn: sqlite3.Connection, done: Sequence[Outgoing]) -> None:
     """Dequeue what the server now holds, unless it changed again meanwhile (then its newer change stays queued),
-    and remember the version agreed."""
-    await db.executemany("DELETE FROM shared_outbox WHERE memory_id = ? AND changed = ?",
-                         [(o.memory_id, o.changed) for o in done])
-    await db.executemany("UPDATE memories SET shared_changed = ?, shared_by = ? WHERE id = ?",
-                         [(o.row.changed_at, o.row.changed_by, o.memory_id) for o in done])
+    and remember the version agreed. On the writer's thread, inside the caller's transaction."""
+    conn.executemany("DELETE FROM shared_outbox WHERE memory_id = ? AND changed = ?",
+                     [(o.memory_id, o.changed) for o in done])
+    conn.executemany("UPDATE memories SET shared_changed = ?, shared_by = ? WHERE id = ?",
+                     [(o.row.changed_at, o.row.changed_by, o.memory_id) for o in done])
 
 
 async def apply(db: aiosqlite.Connection, memories: MemoryWriter, rows: Sequence[Shared]) -> dict[str, int]:

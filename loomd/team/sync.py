@@ -10,22 +10,24 @@ store keeps capturing and the outbox keeps every change until a push gets throug
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
 import socket
+import sqlite3
 import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-import aiosqlite
 import asyncpg
 
 from loomd.config import Config
-from loomd.errors import SharedError
+from loomd.errors import ChildDied, SharedError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
+from loomd.offload import Offload
 from loomd.redact import redact_text
-from loomd.store.db import Store
+from loomd.store.db import Store, on_thread
 from loomd.store.memories import MemoryWriter
 from loomd.team import local, remote, schema
 from loomd.team.local import Identity
@@ -36,7 +38,8 @@ log = logging.getLogger(__name__)
 PULL_CHECKPOINT = "shared:pull"
 NO_ROW = "00000000-0000-0000-0000-000000000000"
 BACKOFF_MAX_S = 300.0
-SYNC_ERRORS: tuple[type[BaseException], ...] = (SharedError, *remote.CONNECTION_ERRORS)
+# ChildDied: the offload process (where a batch is redacted) died mid-batch; the next cycle does the batch again.
+SYNC_ERRORS: tuple[type[BaseException], ...] = (SharedError, ChildDied, *remote.CONNECTION_ERRORS)
 MAX_ROUNDS = 10_000  # batches per direction of a forced cycle (push/pull --now): a bound a healthy one never meets
 # Batches per direction of a scheduled cycle: a machine catching up on a large backlog still pushes its own changes
 # every few thousand rows, instead of once the whole backlog is in.
@@ -46,8 +49,9 @@ CYCLE_ROUNDS = 30
 class SyncEngine:
     """One machine's sync: its connection, identity, watermark and health (for `status` and `loom doctor`)."""
 
-    def __init__(self, store: Store, config: Callable[[], Config], memories: MemoryWriter) -> None:
+    def __init__(self, store: Store, config: Callable[[], Config], memories: MemoryWriter, offload: Offload) -> None:
         self.store = store
+        self.offload = offload
         self.config = config
         self.memories = memories
         self.private = PrivateProjects(store.path.parent / PRIVATE_FILE)
@@ -134,34 +138,40 @@ class SyncEngine:
         project made private mid-push stops at once."""
         batch = self.config().shared_batch
 
-        async def assign(db: aiosqlite.Connection, private: Collection[str]) -> None:
+        def assign(conn: sqlite3.Connection, private: Collection[str]) -> None:
             if evidence_of is None:
-                await local.assign_gids(db, private, batch)
+                local.assign_gids(conn, private, batch)
             else:
-                await local.assign_evidence_gids(db, evidence_of, batch)
+                local.assign_evidence_gids(conn, evidence_of, batch)
+
+        def finish(conn: sqlite3.Connection, done: list[local.Outgoing], private: Collection[str]) -> None:
+            local.mark_pushed(conn, done)
+            if len(done) == batch:
+                assign(conn, private)
+
         if evidence_of in self.private.current():
             return
         async with self.store.atomic() as db:
-            await assign(db, self.private.current())
+            await on_thread(db, functools.partial(assign, private=self.private.current()))
         for _ in range(rounds):
             private = self.private.current()
             if evidence_of in private:
                 return
-            queued = await (local.outgoing(self.store.reader, who, private, batch) if evidence_of is None
-                            else local.evidence_outgoing(self.store.reader, who, evidence_of, batch))
-            if not queued:
+            rows = await (local.outgoing(self.store.reader, private, batch) if evidence_of is None
+                          else local.evidence_outgoing(self.store.reader, evidence_of, batch))
+            if not rows:
                 return
+            queued = await self.offload.call("work", local.to_push, rows, who)
             verdicts = await remote.push(conn, [o.row for o in queued])
             winners = [v.winner for v in verdicts if v.outcome == "lost" and v.winner is not None]
-            # One short write transaction a batch (each one a wait for the hooks, which commit on the same writer):
-            # this batch marked pushed and the next one's global ids given. Only a conflict's winner changes a
+            # One short write transaction a batch, its statements in one trip to the writer's thread: the hooks
+            # commit on the same writer and wait for it (a trip per statement made them wait for the loop as well).
+            # This batch is marked pushed and the next one's global ids given. Only a conflict's winner changes a
             # memory, and only then are the memory listeners (the vector back-fill) woken.
             async with (self.memories.atomic() if winners else self.store.atomic()) as db:
-                await local.mark_pushed(db, queued)
+                await on_thread(db, functools.partial(finish, done=queued, private=private))
                 if winners:
                     await local.apply(db, self.memories, winners)
-                if len(queued) == batch:
-                    await assign(db, private)
             for verdict in verdicts:
                 counts[verdict.outcome] += 1
             self.pushed += len(queued)
