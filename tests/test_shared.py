@@ -426,6 +426,37 @@ async def test_a_supersession_whose_target_comes_in_a_later_pull_batch_resolves_
             ("Decision: deploys go out on Tu", "i1"), ("Decision: deploys go out on Th", "i1")}
 
 
+async def test_a_pulled_supersession_links_the_two_memories_as_a_local_one_does(
+        pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    team, roles = await make_team(pg, "mia", "ned")
+    mia, ned = roles
+    async with machine(monkeypatch, machine_env(pg, home, team, mia, roles[mia], "m1")) as a, \
+            machine(monkeypatch, machine_env(pg, second_home, team, ned, roles[ned], "n1")) as b:
+        old = await a.call("store", {"text": "Decision: the API is versioned in the URL path",
+                                     "kind": "decision", "project": PROJECT})
+        new = await a.call("store", {"text": "Decision: the API is versioned by an Accept header from v3 on",
+                                     "kind": "decision", "project": PROJECT})
+        await a.call("supersede", {"id": new["id"], "old": [old["id"]]})
+        edge = {"direction": "out", "type": "supersedes", "node": "memory"}
+        [mine] = [e for e in (await a.call("links", {"id": new["id"]}))["edges"] if e["type"] == "supersedes"]
+        assert {k: mine[k] for k in edge} == edge and mine["node_id"] == old["id"]
+        await a.sync()
+        assert (await b.sync())["pull"]["inserted"] == 2
+        by_text = {r["text"]: r for r in (await b.call("memories", {"project": PROJECT, "state": "all"}))["memories"]}
+        b_old = by_text["Decision: the API is versioned in the URL path"]
+        b_new = by_text["Decision: the API is versioned by an Accept header from v3 on"]
+        assert b_old["superseded_by"] == b_new["id"]
+        # B holds the chain as A does: the edge from the new memory to the old one (the viewer's chain, search).
+        theirs = [e for e in (await b.call("links", {"id": b_new["id"]}))["edges"] if e["type"] == "supersedes"]
+        assert [({k: e[k] for k in edge}, e["node_id"]) for e in theirs] == [(edge, b_old["id"])]
+        # A later version of the old memory (edited on A) leaves one edge, and nothing echoes back.
+        await a.call("edit", {"id": old["id"], "text": "Decision: the API was versioned in the URL path (v1, v2)"})
+        await a.sync()
+        assert (await b.sync())["pull"]["updated"] == 1
+        again = [e for e in (await b.call("links", {"id": b_new["id"]}))["edges"] if e["type"] == "supersedes"]
+        assert len(again) == 1 and (await b.call("shared_status"))["push_queue"] == 0
+
+
 async def test_evidence_is_shared_only_for_projects_that_opt_in_redacted_and_never_from_a_private_one(
         pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     team, roles = await make_team(pg, "ken", "lea")
@@ -466,3 +497,4 @@ async def test_evidence_is_shared_only_for_projects_that_opt_in_redacted_and_nev
         assert (await b.sync())["pull"]["inserted"] == 2
         [hit] = (await b.call("search", {"query": "fixture db_url unset", "project": opted}))["results"]
         assert hit["kind"] == "evidence" and hit["from"]["device"] == "k1"
+

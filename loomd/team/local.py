@@ -17,7 +17,7 @@ import numpy as np
 
 from loomd.redact import redact_text
 from loomd.store.db import on_thread
-from loomd.store.memories import MemoryWriter, content_hash, estimate_tokens, insert_memory
+from loomd.store.memories import MemoryWriter, content_hash, estimate_tokens, insert_memory, supersedes_edges
 from loomd.store.migrations import SHARED_KINDS
 from loomd.team.rows import Shared, uuid7
 
@@ -190,12 +190,17 @@ async def apply(db: aiosqlite.Connection, memories: MemoryWriter, rows: Sequence
 
 async def resolve_links(db: aiosqlite.Connection) -> None:
     """Point every waiting supersession link whose target is now here at that memory (this batch's links and
-    those of earlier batches alike). A link changed here meanwhile (`superseded_by` set) is kept: it is queued
-    to push and wins or loses on the server. Moving `superseded_gid` marks the write as sync's: nothing queued."""
+    those of earlier batches alike), with the `supersedes` edge a local supersession writes. A link changed here
+    meanwhile (`superseded_by` set) is kept: it is queued to push and wins or loses on the server. Moving
+    `superseded_gid` marks the write as sync's: nothing queued."""
+    resolved = [(int(r[0]), int(r[1])) for r in await db.execute_fetchall(
+        "SELECT s.id, m.id FROM memories m JOIN memories s ON s.gid = m.superseded_gid"
+        " WHERE m.superseded_gid IS NOT NULL AND m.superseded_by IS NULL AND s.id != m.id")]
     await db.execute(
         "UPDATE memories SET superseded_by = coalesce(superseded_by, (SELECT s.id FROM memories s"
         " WHERE s.gid = memories.superseded_gid)), superseded_gid = NULL WHERE superseded_gid IS NOT NULL"
         " AND EXISTS (SELECT 1 FROM memories s WHERE s.gid = memories.superseded_gid)")
+    await supersedes_edges(db, resolved)
 
 
 async def _one(db: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> Any:
