@@ -498,3 +498,35 @@ async def test_evidence_is_shared_only_for_projects_that_opt_in_redacted_and_nev
         [hit] = (await b.call("search", {"query": "fixture db_url unset", "project": opted}))["results"]
         assert hit["kind"] == "evidence" and hit["from"]["device"] == "k1"
 
+
+async def test_an_evidence_passage_archived_after_its_push_is_archived_on_the_server_and_on_the_team(
+        pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    team, roles = await make_team(pg, "olga", "piet")
+    olga, piet = roles
+    store = await Store.open(home / "loomd.db")
+    async with store.atomic() as db:
+        passage, _ = await insert_memory(db, kind="evidence", scope="session", session_id="s1", project=PROJECT,
+                                         text="Bash `make deploy`: the staging host refused the SSH key",
+                                         origin="evidence")
+    await store.close()
+    env_a = machine_env(pg, home, team, olga, roles[olga], "o1", LOOMD_SHARED_EVIDENCE_PROJECTS=PROJECT)
+    async with machine(monkeypatch, env_a) as a, \
+            machine(monkeypatch, machine_env(pg, second_home, team, piet, roles[piet], "p1")) as b:
+        assert (await a.sync())["push"]["inserted"] == 1
+        assert (await b.sync())["pull"]["inserted"] == 1
+        assert (await a.call("forget", {"id": passage, "reason": "the key was rotated"}))["archived"] == 1
+        assert (await a.call("shared_status"))["push_queue"] == 1
+        assert (await a.sync())["push"]["updated"] == 1
+        [row] = await server_rows(pg, team)
+        assert row["archived_at"] is not None and row["kind"] == "evidence"
+        assert (await b.sync())["pull"]["updated"] == 1
+        archived = (await b.call("memories", {"project": PROJECT, "kind": "evidence", "state": "archived"}))
+        assert [m["text"] for m in archived["memories"]] == [row["text"]]
+        # Restored on B (a pulled passage): the server and A follow; nothing is left queued on either side.
+        assert (await b.call("restore", {"id": archived["memories"][0]["id"]}))["restored"] == 1
+        assert (await b.sync())["push"]["updated"] == 1
+        assert (await server_rows(pg, team))[0]["archived_at"] is None
+        assert (await a.sync())["pull"]["updated"] == 1
+        [mine] = (await a.call("detail", {"id": passage, "sources": False}))["memories"]
+        assert mine["archived_at"] is None
+        assert [(await m.call("shared_status"))["push_queue"] for m in (a, b)] == [0, 0]

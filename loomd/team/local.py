@@ -24,6 +24,9 @@ from loomd.team.rows import Shared, uuid7
 _KINDS = ",".join(f"'{k}'" for k in SHARED_KINDS)
 # A memory the outbox may send: durable kind, project or user scope, and (checked in Python) not private.
 SHAREABLE = f"m.kind IN ({_KINDS}) AND m.scope != 'session'"
+# What the outbox sends: a shareable memory's change, or the archive or restore of an evidence passage the server
+# already holds (store migration m011 queues only those; a passage's first push is `evidence_outgoing`'s).
+QUEUED = f"({SHAREABLE} OR m.kind = 'evidence')"
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ async def outgoing(db: aiosqlite.Connection, private: Collection[str], limit: in
         f" CASE WHEN m.superseded_by IS NULL THEN m.superseded_gid ELSE s.gid END AS superseded_target"
         f" FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
         f" LEFT JOIN memories s ON s.id = m.superseded_by{_VECTOR}"
-        f" WHERE m.gid IS NOT NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?", (*params, limit))
+        f" WHERE m.gid IS NOT NULL AND {QUEUED}{clause} ORDER BY o.changed LIMIT ?", (*params, limit))
 
 
 async def evidence_outgoing(db: aiosqlite.Connection, project: str, limit: int) -> list[dict[str, Any]]:
@@ -213,6 +216,6 @@ async def backlog(db: aiosqlite.Connection, private: Collection[str]) -> tuple[i
     clause, params = _private_clause(private)
     rows = list(await db.execute_fetchall(
         f"SELECT count(*), min(o.changed) FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
-        f" WHERE {SHAREABLE}{clause}", params))
+        f" WHERE {QUEUED}{clause}", params))
     return int(rows[0][0]), rows[0][1]
 
