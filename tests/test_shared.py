@@ -143,6 +143,17 @@ def second_home() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@asynccontextmanager
+async def teammates(pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch,
+                    **a_settings: str) -> AsyncIterator[tuple[Machine, Machine, str]]:
+    """Two machines of a fresh team, A (device "a1", with `a_settings`) and B ("b1"), each with its own role."""
+    team, roles = await make_team(pg, "ann", "ben")
+    (a_role, a_pw), (b_role, b_pw) = roles.items()
+    async with machine(monkeypatch, machine_env(pg, home, team, a_role, a_pw, "a1", **a_settings)) as a, \
+            machine(monkeypatch, machine_env(pg, second_home, team, b_role, b_pw, "b1")) as b:
+        yield a, b, team
+
+
 async def server_rows(pg: PgServer, team: str) -> list[asyncpg.Record]:
     return await admin(pg, "SELECT * FROM loomd.memories WHERE team = $1 ORDER BY gid", team)
 
@@ -428,10 +439,7 @@ async def test_a_supersession_whose_target_comes_in_a_later_pull_batch_resolves_
 
 async def test_a_pulled_supersession_links_the_two_memories_as_a_local_one_does(
         pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    team, roles = await make_team(pg, "mia", "ned")
-    mia, ned = roles
-    async with machine(monkeypatch, machine_env(pg, home, team, mia, roles[mia], "m1")) as a, \
-            machine(monkeypatch, machine_env(pg, second_home, team, ned, roles[ned], "n1")) as b:
+    async with teammates(pg, home, second_home, monkeypatch) as (a, b, _):
         old = await a.call("store", {"text": "Decision: the API is versioned in the URL path",
                                      "kind": "decision", "project": PROJECT})
         new = await a.call("store", {"text": "Decision: the API is versioned by an Accept header from v3 on",
@@ -501,17 +509,13 @@ async def test_evidence_is_shared_only_for_projects_that_opt_in_redacted_and_nev
 
 async def test_an_evidence_passage_archived_after_its_push_is_archived_on_the_server_and_on_the_team(
         pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    team, roles = await make_team(pg, "olga", "piet")
-    olga, piet = roles
     store = await Store.open(home / "loomd.db")
     async with store.atomic() as db:
         passage, _ = await insert_memory(db, kind="evidence", scope="session", session_id="s1", project=PROJECT,
                                          text="Bash `make deploy`: the staging host refused the SSH key",
                                          origin="evidence")
     await store.close()
-    env_a = machine_env(pg, home, team, olga, roles[olga], "o1", LOOMD_SHARED_EVIDENCE_PROJECTS=PROJECT)
-    async with machine(monkeypatch, env_a) as a, \
-            machine(monkeypatch, machine_env(pg, second_home, team, piet, roles[piet], "p1")) as b:
+    async with teammates(pg, home, second_home, monkeypatch, LOOMD_SHARED_EVIDENCE_PROJECTS=PROJECT) as (a, b, team):
         assert (await a.sync())["push"]["inserted"] == 1
         assert (await b.sync())["pull"]["inserted"] == 1
         assert (await a.call("forget", {"id": passage, "reason": "the key was rotated"}))["archived"] == 1
