@@ -27,6 +27,7 @@ from secret_corpus import SECRET_SAMPLES
 from loomd.cli import main as cli_main
 from loomd.client import AsyncClient, Client
 from loomd.config import load_config
+from loomd.daemon import Daemon
 from loomd.errors import LoomdError
 from loomd.ignore import PRIVATE_FILE, write_roots
 from loomd.installer.doctor import Checkup, check_shared
@@ -104,6 +105,7 @@ class Machine:
     def __init__(self, home: Path, env: dict[str, str]) -> None:
         self.home, self.env = home, env
         self.client: AsyncClient
+        self.daemon: Daemon
 
     async def call(self, op: str, args: dict[str, Any] | None = None) -> Any:
         return await self.client.call(op, args or {})
@@ -131,8 +133,8 @@ async def machine(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Async
         monkeypatch.setenv(name, value)
     home = Path(env["LOOMD_HOME"])
     m = Machine(home, env)
-    async with serving(home / "loomd.sock"), AsyncClient(home / "loomd.sock") as client:
-        m.client = client
+    async with serving(home / "loomd.sock") as daemon, AsyncClient(home / "loomd.sock") as client:
+        m.client, m.daemon = client, daemon
         yield m
 
 
@@ -439,7 +441,9 @@ async def test_a_supersession_whose_target_comes_in_a_later_pull_batch_resolves_
 
 async def test_a_pulled_supersession_links_the_two_memories_as_a_local_one_does(
         pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    async with teammates(pg, home, second_home, monkeypatch) as (a, b, _):
+    # A pushes one row a batch: each batch is marked pushed (and the next one's id given) by a commit that does not
+    # wait for the disk, and the next batch waits until that commit is synced.
+    async with teammates(pg, home, second_home, monkeypatch, LOOMD_SHARED_BATCH="1") as (a, b, _):
         old = await a.call("store", {"text": "Decision: the API is versioned in the URL path",
                                      "kind": "decision", "project": PROJECT})
         new = await a.call("store", {"text": "Decision: the API is versioned by an Accept header from v3 on",
@@ -448,7 +452,11 @@ async def test_a_pulled_supersession_links_the_two_memories_as_a_local_one_does(
         edge = {"direction": "out", "type": "supersedes", "node": "memory"}
         [mine] = [e for e in (await a.call("links", {"id": new["id"]}))["edges"] if e["type"] == "supersedes"]
         assert {k: mine[k] for k in edge} == edge and mine["node_id"] == old["id"]
-        await a.sync()
+        assert (await a.sync())["push"]["inserted"] == 2
+        # ...and the writer's connection is back to syncing every commit (the hooks' durability).
+        assert list((await a.daemon.store.fetchone("SELECT value FROM checkpoints WHERE name = 'shared:push'")) or []
+                    ) == ["1"]
+        assert (await (await a.daemon.store.writer.execute("PRAGMA synchronous")).fetchone())[0] == 2
         assert (await b.sync())["pull"]["inserted"] == 2
         by_text = {r["text"]: r for r in (await b.call("memories", {"project": PROJECT, "state": "all"}))["memories"]}
         b_old = by_text["Decision: the API is versioned in the URL path"]

@@ -36,6 +36,9 @@ from loomd.team.remote import Watermark
 log = logging.getLogger(__name__)
 
 PULL_CHECKPOINT = "shared:pull"
+PUSH_CHECKPOINT = "shared:push"  # rows pushed by this daemon so far: written by the commit that syncs a batch's ids
+_CHECKPOINT_SQL = ("INSERT INTO checkpoints (name, value, updated) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE"
+               " SET value = excluded.value, updated = excluded.updated")
 NO_ROW = "00000000-0000-0000-0000-000000000000"
 BACKOFF_MAX_S = 300.0
 # ChildDied: the offload process (where a batch is redacted) died mid-batch; the next cycle does the batch again.
@@ -153,6 +156,8 @@ class SyncEngine:
             return
         async with self.store.atomic() as db:
             await on_thread(db, functools.partial(assign, private=self.private.current()))
+        # `durable_commits` as of the last commit that gave ids without syncing them (None: all on disk).
+        unsynced: int | None = None
         for _ in range(rounds):
             private = self.private.current()
             if evidence_of in private:
@@ -162,16 +167,27 @@ class SyncEngine:
             if not rows:
                 return
             queued = await self.offload.call("work", local.to_push, rows, who)
+            if unsynced is not None and self.store.durable_commits <= unsynced:
+                # The ids of this batch were given by a commit not yet synced, and no hook has committed since
+                # (a hook's commit syncs it): sync it now. A server must never hold an id this machine could lose.
+                async with self.store.atomic() as db:
+                    await db.execute(_CHECKPOINT_SQL, (PUSH_CHECKPOINT, str(self.pushed), time.time()))
             verdicts = await remote.push(conn, [o.row for o in queued])
             winners = [v.winner for v in verdicts if v.outcome == "lost" and v.winner is not None]
-            # One short write transaction a batch, its statements in one trip to the writer's thread: the hooks
-            # commit on the same writer and wait for it (a trip per statement made them wait for the loop as well).
-            # This batch is marked pushed and the next one's global ids given. Only a conflict's winner changes a
-            # memory, and only then are the memory listeners (the vector back-fill) woken.
-            async with (self.memories.atomic() if winners else self.store.atomic()) as db:
-                await on_thread(db, functools.partial(finish, done=queued, private=private))
-                if winners:
+            finished = functools.partial(finish, done=queued, private=private)
+            if winners:
+                # A conflict's winner changes a memory: a durable transaction, and the memory listeners (the
+                # vector back-fill) woken.
+                async with self.memories.atomic() as db:
+                    await on_thread(db, finished)
                     await local.apply(db, self.memories, winners)
+                unsynced = None
+            else:
+                # One short write transaction a batch (the hooks commit on the same writer and wait for it): this
+                # batch marked pushed and the next one's global ids given, in one trip to the writer's thread,
+                # committed without waiting for the disk. A power cut may undo it: the batch is pushed again (the
+                # server answers "same"), and the next batch is not pushed before its ids are on disk (above).
+                _, unsynced = await self.store.commit_relaxed(finished)
             for verdict in verdicts:
                 counts[verdict.outcome] += 1
             self.pushed += len(queued)
@@ -190,10 +206,7 @@ class SyncEngine:
             async with self.memories.atomic() as db:
                 for name, n in (await local.apply(db, self.memories, [row for row, _ in got])).items():
                     counts[name] += n
-                await db.execute(
-                    "INSERT INTO checkpoints (name, value, updated) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE"
-                    " SET value = excluded.value, updated = excluded.updated",
-                    (PULL_CHECKPOINT, json.dumps(list(got[-1][1])), time.time()))
+                await db.execute(_CHECKPOINT_SQL, (PULL_CHECKPOINT, json.dumps(list(got[-1][1])), time.time()))
             self.pulled += len(got)
             if len(got) < batch:
                 break
