@@ -14,6 +14,7 @@ from typing import Any
 
 import aiosqlite
 import numpy as np
+from pgvector import Vector
 
 from loomd.redact import redact_text
 from loomd.store.db import on_thread
@@ -124,7 +125,8 @@ def to_push(rows: Sequence[dict[str, Any]], who: Identity) -> list[Outgoing]:
             archived_at=r["archived_at"], superseded_by=r["superseded_target"], device=r["device"] or who.device,
             person=r["person"] or who.person, provenance=provenance,
             embed_model=r["vmodel"] if r["vec"] is not None else None,
-            embedding=np.frombuffer(r["vec"], dtype="<f4").copy() if r["vec"] is not None else None)
+            # pgvector's own type, made here: the connection's codec then only packs it, on the event loop.
+            embedding=Vector(np.frombuffer(r["vec"], dtype="<f4")) if r["vec"] is not None else None)
         out.append(Outgoing(r["id"], float(r["queued"]), row))
     return out
 
