@@ -8,15 +8,17 @@ not blur the numbers; pushed memories carry 384-d vectors written into the store
 - pull: B pulls all of them through the one memory-write path (entities, FTS); memories/s.
 - lag: A and B syncing on their scheduler (`shared_interval_s`), A written at a steady rate; the time from A's
   `store` to the row appearing in B's SQLite, p50/p99.
-- hook: `hook` round trips (PostToolUse) on A, same run: idle, and while A pushes a large backlog interleaved with
-  round trips to a daemon that does not sync (the machine's load without A's own sync work).
+- hook: `hook` round trips (PostToolUse) in pairs, one to A and one to C (a daemon on a copy of A's store that does
+  not sync; each pair in a random order): while both are idle (the noise floor of A − C), then while A pushes its
+  backlog (C feels the machine's load, A that plus its own sync). `--runs` repeats this on fresh stores and an
+  emptied server; each run is reported, and A − C as the median of the runs with their range.
 - search: at each `--rows` level, the server topped up with COPY (its GIN and HNSW indexes dropped, then built
   once, with the memory and parallel workers an admin gives a bulk load; progress on stderr), then `search` with
   `scope: "shared"` as the team's role under row-level security (full text + HNSW KNN fused by RRF), p50/p99 over
   the query set, and the HNSW recall@10 against an exact scan. Rows are drawn around 2,000 subjects (clustered
   vectors, identifiers that follow the subject) as a real store's are; a query names one subject's identifiers.
 
-    python bench/shared.py [--quick] [--push N] [--rows 100000 [1000000 …]] [--rate 20] [--seconds 20]
+    python bench/shared.py [--quick] [--push N] [--rows 100000 [1000000 …]] [--runs 3] [--rate 20] [--seconds 20]
                            [--only push lag search]
 
 Prints one JSON object on stdout.
@@ -38,6 +40,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +121,13 @@ async def make_roles(pg: PgServer, team: str, names: list[str]) -> dict[str, str
         await conn.close()
 
 
-def machine(pg: PgServer, root: Path, name: str, team: str, password: str, **extra: str) -> DaemonProcess:
+def machine(pg: PgServer, root: Path, name: str, team: str, password: str, role: str | None = None,
+            **extra: str) -> DaemonProcess:
+    """A daemon in `root/name`, device `name`, connecting as `role` (by default its name)."""
     home = root / name
     home.mkdir(parents=True, exist_ok=True)
     (home / "pw").write_text(password)
-    env = {"LOOMD_SHARED_DSN": pg.dsn(name, ""), "LOOMD_SHARED_PASSWORD_FILE": str(home / "pw"),
+    env = {"LOOMD_SHARED_DSN": pg.dsn(role or name, ""), "LOOMD_SHARED_PASSWORD_FILE": str(home / "pw"),
            "LOOMD_SHARED_TEAM": team, "LOOMD_SHARED_DEVICE": name, "LOOMD_EMBEDDER": "none",
            "LOOMD_SHARED_INTERVAL_S": "3600", "LOOMD_PASSIVE": "1", "LOOMD_TAIL_TRANSCRIPTS": "0", **extra}
     return DaemonProcess(home, env)
@@ -141,22 +146,78 @@ def hook_rtt(c: Client, i: int) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, str], n: int) -> dict[str, Any]:
-    """A pushes its backlog while hooks go to A and, in turn, to C: a daemon with the same store that does not
-    sync. C feels what the whole machine feels (the server's inserts on the same CPUs), A that plus its own sync:
-    the difference between the two is the sync's local cost on the hook path."""
-    a_proc = machine(pg, root, "a", team, roles["a"])
-    c_proc = machine(pg, root, "c", team, roles["b"])
-    asyncio.run(seed_store(a_proc.home / "loomd.db", n, 1))
-    asyncio.run(seed_store(c_proc.home / "loomd.db", n, 1))
-    out: dict[str, Any] = {}
+def pairs(a: Client, c: Client, rng: random.Random, first: int, until: Callable[[int], bool]) -> tuple[list[float],
+                                                                                                    list[float]]:
+    """Hook round trips to A and to C in pairs, each pair in a random order (neither daemon always goes second,
+    after the other has just used the CPU), until `until(pairs so far)` says stop."""
+    on_a: list[float] = []
+    on_c: list[float] = []
+    i = first
+    while not until(len(on_a)):
+        if rng.random() < 0.5:
+            on_a.append(hook_rtt(a, i))
+            on_c.append(hook_rtt(c, i))
+        else:
+            on_c.append(hook_rtt(c, i))
+            on_a.append(hook_rtt(a, i))
+        i += 1
+        time.sleep(0.002)
+    return on_a, on_c
+
+
+def difference(on_a: list[float], on_c: list[float]) -> dict[str, float]:
+    """A − C at p50 and p99, and the median of the paired differences (each pair ran within a few milliseconds, so
+    the machine's load drifting over the run cancels out)."""
+    return {"p50_ms": round(pct(on_a, 0.5) - pct(on_c, 0.5), 3), "p99_ms": round(pct(on_a, 0.99) - pct(on_c, 0.99), 3),
+            "paired_median_ms": round(statistics.median(x - y for x, y in zip(on_a, on_c, strict=True)), 3)}
+
+
+def interval(on_a: list[float], on_c: list[float], q: float, resamples: int = 1000) -> list[float]:
+    """A 95% bootstrap interval of A − C at quantile `q`, resampling the pairs: when it holds 0, the two daemons'
+    difference at that quantile is within what the machine's noise gives."""
+    a, c = np.asarray(on_a), np.asarray(on_c)
+    picks = np.random.default_rng(0).integers(0, len(a), (resamples, len(a)))
+    diffs = np.quantile(a[picks], q, axis=1) - np.quantile(c[picks], q, axis=1)
+    return [round(float(v), 3) for v in np.quantile(diffs, [0.025, 0.975])]
+
+
+def pooled(on_a: list[float], on_c: list[float]) -> dict[str, Any]:
+    """A − C over every run's pairs together (a p99 from a few hundred pairs is the fifth-worst of them: noise)."""
+    return {"n": len(on_a), "a": summary(on_a), "c": summary(on_c), "a_minus_c": difference(on_a, on_c),
+            "p50_ci95_ms": interval(on_a, on_c, 0.5), "p99_ci95_ms": interval(on_a, on_c, 0.99)}
+
+
+def clear_server(pg: PgServer, team: str) -> None:
+    """Empty the team's rows (as the admin) so that every run pushes into the same server."""
+    async def run() -> None:
+        conn = await asyncpg.connect(pg.dsn())
+        try:
+            await conn.execute("DELETE FROM loomd.memory_history WHERE team = $1", team)
+            await conn.execute("DELETE FROM loomd.memories WHERE team = $1", team)
+            await conn.execute("VACUUM loomd.memories")
+        finally:
+            await conn.close()
+    asyncio.run(run())
+
+
+def push_run(pg: PgServer, root: Path, team: str, roles: dict[str, str], template: Path, n: int, run: int,
+             idle_pairs: int) -> dict[str, Any]:
+    """One run: A (syncing) and C (not syncing) on fresh copies of the same store; hook pairs while both idle (the
+    noise floor of A − C), then while A pushes its backlog."""
+    clear_server(pg, team)
+    a_proc = machine(pg, root, f"a{run}", team, roles["a"], "a", LOOMD_SHARED_DEVICE="a")
+    c_proc = machine(pg, root, f"c{run}", team, roles["b"], "b", LOOMD_SHARED_DEVICE="c")
+    for proc in (a_proc, c_proc):
+        shutil.copyfile(template, proc.home / "loomd.db")
+    rng = random.Random(run)
     a_proc.start()
     c_proc.start()
     try:
-        with Client(a_proc.sock, timeout=600) as c, Client(c_proc.sock, timeout=600) as control:
-            idle_before = [hook_rtt(c, i) for i in range(100)]
-            during: list[float] = []
-            during_control: list[float] = []
+        with Client(a_proc.sock, timeout=600) as a, Client(c_proc.sock, timeout=600) as control:
+            for k in range(20):  # warm both (first queries, caches) before anything is measured
+                hook_rtt(a, k)
+                hook_rtt(control, k)
+            idle_a, idle_c = pairs(a, control, rng, 100, lambda done: done >= idle_pairs)
             result: dict[str, Any] = {}
 
             def push() -> None:
@@ -166,22 +227,51 @@ def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, st
                     result["s"] = time.perf_counter() - started
             thread = threading.Thread(target=push)
             thread.start()
-            i = 1000
-            while thread.is_alive():
-                during.append(hook_rtt(c, i))
-                during_control.append(hook_rtt(control, i))
-                i += 1
-                time.sleep(0.005)
+            busy_a, busy_c = pairs(a, control, rng, 100_000, lambda _: not thread.is_alive())
             thread.join()
-            idle_after = [hook_rtt(c, i) for i in range(10_000, 10_100)]
-            out["push"] = {"memories": n, "seconds": round(result["s"], 3),
-                           "memories_per_s": round(n / result["s"], 1), "reply": result["reply"]["push"]}
-            out["hook_rtt"] = {"idle_before": summary(idle_before), "during_push": summary(during),
-                               "during_push_on_a_daemon_not_syncing": summary(during_control),
-                               "idle_after": summary(idle_after)}
     finally:
         a_proc.stop()
         c_proc.stop()
+        shutil.rmtree(a_proc.home, ignore_errors=True)
+        shutil.rmtree(c_proc.home, ignore_errors=True)
+    return {"push": {"memories": n, "seconds": round(result["s"], 3), "memories_per_s": round(n / result["s"], 1),
+                     "reply": result["reply"]["push"]},
+            "idle": {"a": summary(idle_a), "c": summary(idle_c), "a_minus_c": difference(idle_a, idle_c)},
+            "during_push": {"a": summary(busy_a), "c": summary(busy_c), "a_minus_c": difference(busy_a, busy_c)},
+            "samples": {"idle": (idle_a, idle_c), "during_push": (busy_a, busy_c)}}
+
+
+def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, str], n: int, runs: int,
+                        idle_pairs: int) -> dict[str, Any]:
+    """A pushes its backlog while hooks go to A and, in turn, to C: a daemon with the same store that does not
+    sync. C feels what the whole machine feels (the server's inserts on the same CPUs), A that plus its own sync:
+    the difference between the two is the sync's local cost on the hook path. The same difference while neither
+    works is the noise floor it is judged against; `runs` repeats both, and the median of the runs is reported
+    with their range."""
+    template = root / "template.db"
+    asyncio.run(seed_store(template, n, 1))
+    each = [push_run(pg, root, team, roles, template, n, run, idle_pairs) for run in range(runs)]
+    samples = [run.pop("samples") for run in each]
+    for number, run in enumerate(each):
+        print(f"[push run {number}] {json.dumps(run)}", file=sys.stderr, flush=True)
+
+    def over_runs(phase: str, key: str) -> dict[str, float]:
+        values = [run[phase]["a_minus_c"][key] for run in each]
+        return {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values)}
+    out: dict[str, Any] = {
+        "push": {"memories": n, "memories_per_s": [run["push"]["memories_per_s"] for run in each],
+                 "reply": each[-1]["push"]["reply"]},
+        "hook_rtt": {
+            "runs": [{phase: {"a_p50_ms": run[phase]["a"]["p50_ms"], "a_p99_ms": run[phase]["a"]["p99_ms"],
+                              "c_p50_ms": run[phase]["c"]["p50_ms"], "c_p99_ms": run[phase]["c"]["p99_ms"],
+                              "n": run[phase]["a"]["n"], **{f"a_minus_c_{k}": v for k, v in
+                                                            run[phase]["a_minus_c"].items()}}
+                      for phase in ("idle", "during_push")} for run in each],
+            "a_minus_c": {phase: {key: over_runs(phase, key) for key in ("p50_ms", "p99_ms", "paired_median_ms")}
+                          for phase in ("idle", "during_push")},
+            "pooled": {phase: pooled([x for got in samples for x in got[phase][0]],
+                                     [x for got in samples for x in got[phase][1]])
+                       for phase in ("idle", "during_push")}}}
     b_proc = machine(pg, root, "b", team, roles["b"])
     b_proc.start()
     try:
@@ -398,6 +488,8 @@ def main() -> int:
                         help="memories on the server for the search numbers (each level in turn, growing)")
     parser.add_argument("--recall", type=int, default=20, help="queries checked against the exact KNN")
     parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=3, help="push runs (each on fresh stores, the server emptied)")
+    parser.add_argument("--idle-pairs", type=int, default=400, help="hook pairs to A and C before each push")
     parser.add_argument("--rate", type=float, default=20.0, help="writes per second on A for the lag")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--interval", type=float, default=1.0, help="shared_interval_s of both lag machines")
@@ -406,7 +498,7 @@ def main() -> int:
     # A long run stopped with `kill` still stops its PostgreSQL and removes its files (the `finally` below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.quick:
-        args.push, args.rows, args.queries, args.seconds = 2000, [10_000], 50, 5.0
+        args.push, args.rows, args.queries, args.seconds, args.runs = 2000, [10_000], 50, 5.0, 1
     # Buffers for the search levels: a million rows' table and HNSW graph are ~2 GB each, as a team's server holds.
     pg = PgServer({"shared_buffers": "4GB"}).start()
     root = Path(tempfile.mkdtemp(prefix="lbs", dir="/tmp"))
@@ -416,7 +508,7 @@ def main() -> int:
         team = "bench"
         roles = asyncio.run(make_roles(pg, team, ["a", "b"]))
         if "push" in args.only:
-            out.update(push_pull_and_hooks(pg, root, team, roles, args.push))
+            out.update(push_pull_and_hooks(pg, root, team, roles, args.push, args.runs, args.idle_pairs))
         if "lag" in args.only:
             # A team of their own: the lag machines must not first pull the push/pull phase's rows.
             lag_roles = asyncio.run(make_roles(pg, "lagging", ["la", "lb"]))

@@ -146,7 +146,7 @@ class Daemon:
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
         # Before the socket opens: nothing may await between serving the first request and the signal handlers.
-        self.sync = SyncEngine(self.store, lambda: self.config, self.memories)
+        self.sync = SyncEngine(self.store, lambda: self.config, self.memories, self.offload)
         self.shared_search = SharedSearch(lambda: self.config)
         self.scheduler = Scheduler(self.store, lambda: self.config, self.memories, self.offload, self.sync)
         self.writer.listeners.append(self.scheduler.listener)

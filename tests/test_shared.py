@@ -27,6 +27,7 @@ from secret_corpus import SECRET_SAMPLES
 from loomd.cli import main as cli_main
 from loomd.client import AsyncClient, Client
 from loomd.config import load_config
+from loomd.daemon import Daemon
 from loomd.errors import LoomdError
 from loomd.ignore import PRIVATE_FILE, write_roots
 from loomd.installer.doctor import Checkup, check_shared
@@ -104,6 +105,7 @@ class Machine:
     def __init__(self, home: Path, env: dict[str, str]) -> None:
         self.home, self.env = home, env
         self.client: AsyncClient
+        self.daemon: Daemon
 
     async def call(self, op: str, args: dict[str, Any] | None = None) -> Any:
         return await self.client.call(op, args or {})
@@ -131,8 +133,8 @@ async def machine(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Async
         monkeypatch.setenv(name, value)
     home = Path(env["LOOMD_HOME"])
     m = Machine(home, env)
-    async with serving(home / "loomd.sock"), AsyncClient(home / "loomd.sock") as client:
-        m.client = client
+    async with serving(home / "loomd.sock") as daemon, AsyncClient(home / "loomd.sock") as client:
+        m.client, m.daemon = client, daemon
         yield m
 
 
@@ -141,6 +143,17 @@ def second_home() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="lm", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@asynccontextmanager
+async def teammates(pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch,
+                    **a_settings: str) -> AsyncIterator[tuple[Machine, Machine, str]]:
+    """Two machines of a fresh team, A (device "a1", with `a_settings`) and B ("b1"), each with its own role."""
+    team, roles = await make_team(pg, "ann", "ben")
+    (a_role, a_pw), (b_role, b_pw) = roles.items()
+    async with machine(monkeypatch, machine_env(pg, home, team, a_role, a_pw, "a1", **a_settings)) as a, \
+            machine(monkeypatch, machine_env(pg, second_home, team, b_role, b_pw, "b1")) as b:
+        yield a, b, team
 
 
 async def server_rows(pg: PgServer, team: str) -> list[asyncpg.Record]:
@@ -426,6 +439,40 @@ async def test_a_supersession_whose_target_comes_in_a_later_pull_batch_resolves_
             ("Decision: deploys go out on Tu", "i1"), ("Decision: deploys go out on Th", "i1")}
 
 
+async def test_a_pulled_supersession_links_the_two_memories_as_a_local_one_does(
+        pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pushes one row a batch: each batch is marked pushed (and the next one's id given) by a commit that does not
+    # wait for the disk, and the next batch waits until that commit is synced.
+    async with teammates(pg, home, second_home, monkeypatch, LOOMD_SHARED_BATCH="1") as (a, b, _):
+        old = await a.call("store", {"text": "Decision: the API is versioned in the URL path",
+                                     "kind": "decision", "project": PROJECT})
+        new = await a.call("store", {"text": "Decision: the API is versioned by an Accept header from v3 on",
+                                     "kind": "decision", "project": PROJECT})
+        await a.call("supersede", {"id": new["id"], "old": [old["id"]]})
+        edge = {"direction": "out", "type": "supersedes", "node": "memory"}
+        [mine] = [e for e in (await a.call("links", {"id": new["id"]}))["edges"] if e["type"] == "supersedes"]
+        assert {k: mine[k] for k in edge} == edge and mine["node_id"] == old["id"]
+        assert (await a.sync())["push"]["inserted"] == 2
+        # ...and the writer's connection is back to syncing every commit (the hooks' durability).
+        assert list((await a.daemon.store.fetchone("SELECT value FROM checkpoints WHERE name = 'shared:push'")) or []
+                    ) == ["1"]
+        assert (await (await a.daemon.store.writer.execute("PRAGMA synchronous")).fetchone())[0] == 2
+        assert (await b.sync())["pull"]["inserted"] == 2
+        by_text = {r["text"]: r for r in (await b.call("memories", {"project": PROJECT, "state": "all"}))["memories"]}
+        b_old = by_text["Decision: the API is versioned in the URL path"]
+        b_new = by_text["Decision: the API is versioned by an Accept header from v3 on"]
+        assert b_old["superseded_by"] == b_new["id"]
+        # B holds the chain as A does: the edge from the new memory to the old one (the viewer's chain, search).
+        theirs = [e for e in (await b.call("links", {"id": b_new["id"]}))["edges"] if e["type"] == "supersedes"]
+        assert [({k: e[k] for k in edge}, e["node_id"]) for e in theirs] == [(edge, b_old["id"])]
+        # A later version of the old memory (edited on A) leaves one edge, and nothing echoes back.
+        await a.call("edit", {"id": old["id"], "text": "Decision: the API was versioned in the URL path (v1, v2)"})
+        await a.sync()
+        assert (await b.sync())["pull"]["updated"] == 1
+        again = [e for e in (await b.call("links", {"id": b_new["id"]}))["edges"] if e["type"] == "supersedes"]
+        assert len(again) == 1 and (await b.call("shared_status"))["push_queue"] == 0
+
+
 async def test_evidence_is_shared_only_for_projects_that_opt_in_redacted_and_never_from_a_private_one(
         pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     team, roles = await make_team(pg, "ken", "lea")
@@ -466,3 +513,32 @@ async def test_evidence_is_shared_only_for_projects_that_opt_in_redacted_and_nev
         assert (await b.sync())["pull"]["inserted"] == 2
         [hit] = (await b.call("search", {"query": "fixture db_url unset", "project": opted}))["results"]
         assert hit["kind"] == "evidence" and hit["from"]["device"] == "k1"
+
+
+async def test_an_evidence_passage_archived_after_its_push_is_archived_on_the_server_and_on_the_team(
+        pg: PgServer, home: Path, second_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = await Store.open(home / "loomd.db")
+    async with store.atomic() as db:
+        passage, _ = await insert_memory(db, kind="evidence", scope="session", session_id="s1", project=PROJECT,
+                                         text="Bash `make deploy`: the staging host refused the SSH key",
+                                         origin="evidence")
+    await store.close()
+    async with teammates(pg, home, second_home, monkeypatch, LOOMD_SHARED_EVIDENCE_PROJECTS=PROJECT) as (a, b, team):
+        assert (await a.sync())["push"]["inserted"] == 1
+        assert (await b.sync())["pull"]["inserted"] == 1
+        assert (await a.call("forget", {"id": passage, "reason": "the key was rotated"}))["archived"] == 1
+        assert (await a.call("shared_status"))["push_queue"] == 1
+        assert (await a.sync())["push"]["updated"] == 1
+        [row] = await server_rows(pg, team)
+        assert row["archived_at"] is not None and row["kind"] == "evidence"
+        assert (await b.sync())["pull"]["updated"] == 1
+        archived = (await b.call("memories", {"project": PROJECT, "kind": "evidence", "state": "archived"}))
+        assert [m["text"] for m in archived["memories"]] == [row["text"]]
+        # Restored on B (a pulled passage): the server and A follow; nothing is left queued on either side.
+        assert (await b.call("restore", {"id": archived["memories"][0]["id"]}))["restored"] == 1
+        assert (await b.sync())["push"]["updated"] == 1
+        assert (await server_rows(pg, team))[0]["archived_at"] is None
+        assert (await a.sync())["pull"]["updated"] == 1
+        [mine] = (await a.call("detail", {"id": passage, "sources": False}))["memories"]
+        assert mine["archived_at"] is None
+        assert [(await m.call("shared_status"))["push_queue"] for m in (a, b)] == [0, 0]

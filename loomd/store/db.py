@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -99,6 +100,11 @@ def migrate(conn: sqlite3.Connection, path: Path | str) -> int:
     return len(MIGRATIONS)
 
 
+# FULL: an acknowledged event must survive a power cut, not only a crash; group commit pays for it. In WAL mode a
+# FULL commit syncs the whole log: every transaction committed before it, however committed, is on disk after it.
+SYNCHRONOUS = "FULL"
+
+
 def open_checked(path: Path, *, busy_timeout_ms: int = 5000) -> sqlite3.Connection:
     """Open, check integrity and migrate; a corrupt file raises StorageError and is left exactly as it was."""
     existed = path.exists() and path.stat().st_size > 0
@@ -120,8 +126,7 @@ def open_checked(path: Path, *, busy_timeout_ms: int = 5000) -> sqlite3.Connecti
                 detail = " ".join(" ".join(problems).split())[:300]
                 raise StorageError(f"database {path} failed its integrity check ({detail}); {KEEP_IT}")
         conn.execute("PRAGMA journal_mode = WAL")
-        # FULL: an acknowledged event must survive a power cut, not only a crash; group commit pays for it.
-        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
         migrate(conn, path)
     except DB_ERRORS as exc:
         conn.close()
@@ -209,6 +214,7 @@ class Store:
         self.writer = writer
         self.reader = reader
         self._write_lock = asyncio.Lock()
+        self.durable_commits = 0  # commits synced to disk so far (`atomic`'s); see `commit_relaxed`
 
     @classmethod
     async def open(cls, path: Path, *, busy_timeout_ms: int = 5000) -> Store:
@@ -239,6 +245,7 @@ class Store:
                 await self.writer.execute("BEGIN IMMEDIATE")
                 yield self.writer
                 await self.writer.execute("COMMIT")
+                self.durable_commits += 1
             except BaseException as exc:
                 # Nothing to roll back (BEGIN failed) or SQLite already did (a full disk, an I/O error): noise.
                 with contextlib.suppress(*DB_ERRORS):
@@ -246,6 +253,22 @@ class Store:
                 if isinstance(exc, DB_ERRORS) and not isinstance(exc, DB_BUGS):
                     raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
                 raise
+
+    async def commit_relaxed(self, fn: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
+        """`fn` in a write transaction of its own, in one trip to the writer's thread, committed without waiting
+        for the disk (synchronous NORMAL for this one transaction): a crash of the process keeps it, a power cut
+        may undo it until the next durable commit, any caller's, syncs the log. For bookkeeping that a replay
+        redoes (sync marking what the server holds); its writer-lock hold, which hooks wait behind, is the
+        statements alone. Returns fn's result and `durable_commits` as of this commit: once that count has moved,
+        the transaction is on disk."""
+        async with self._write_lock:
+            try:
+                result = await on_thread(self.writer, functools.partial(_relaxed, fn))
+            except DB_ERRORS as exc:
+                if isinstance(exc, DB_BUGS):
+                    raise
+                raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
+            return result, self.durable_commits
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[aiosqlite.Connection]:
@@ -272,3 +295,21 @@ class Store:
         row = await self.fetchone("SELECT sqlite_version(), vec_version()")
         assert row is not None
         return {"sqlite": row[0], "sqlite_vec": row[1]}
+
+
+def _relaxed(fn: Callable[[sqlite3.Connection], T], conn: sqlite3.Connection) -> T:
+    """`Store.commit_relaxed` on the writer's thread: runs to its end even if the caller is cancelled meanwhile, so
+    the connection always gets its durable setting back."""
+    conn.execute("PRAGMA synchronous = NORMAL")
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(*DB_ERRORS):
+                conn.execute("ROLLBACK")
+            raise
+    finally:
+        conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
+    return result

@@ -159,10 +159,17 @@ async def supersede(db: aiosqlite.Connection, new_id: int, old_ids: Iterable[int
             (new_id, old, new_id))
         if cur.rowcount:
             changed.append(old)
-            await db.execute(
-                "INSERT OR IGNORE INTO edges (src_type, src_id, dst_type, dst_id, type, weight, created)"
-                " VALUES ('memory', ?, 'memory', ?, 'supersedes', 1.0, ?)", (new_id, old, time.time()))
+    await supersedes_edges(db, [(new_id, old) for old in changed])
     return changed
+
+
+async def supersedes_edges(db: aiosqlite.Connection, pairs: Sequence[tuple[int, int]]) -> None:
+    """The `supersedes` edge of each (new, old) pair whose `superseded_by` was just set: a local supersession's
+    (`supersede`) and a pulled one's (`team/local.py`) alike."""
+    now = time.time()
+    await db.executemany(
+        "INSERT OR IGNORE INTO edges (src_type, src_id, dst_type, dst_id, type, weight, created)"
+        " VALUES ('memory', ?, 'memory', ?, 'supersedes', 1.0, ?)", [(new, old, now) for new, old in pairs])
 
 
 class MemoryWriter:

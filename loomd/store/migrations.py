@@ -370,3 +370,17 @@ def m010_shared_evidence(db: sqlite3.Connection) -> None:
     reading every passage of the project each batch. Passages are written once, so no outbox is needed."""
     db.execute("CREATE INDEX memories_evidence_unshared ON memories(project, id)"
                " WHERE kind = 'evidence' AND shared_changed IS NULL AND device IS NULL")
+
+
+@migration
+def m011_shared_evidence_archives(db: sqlite3.Connection) -> None:
+    """An evidence passage the server holds (`shared_changed` set: pushed from here, or pulled) queues its archive
+    and restore like a shared memory's change, so that they reach the team. A passage never pushed queues nothing:
+    its first push (m010's index) carries its state. The outbox trigger is made again with that case added."""
+    shareable = f"(({_shareable()}) OR (new.kind = 'evidence' AND old.shared_changed IS NOT NULL))"
+    run_script(db,
+        f"""
+        DROP TRIGGER memories_share_au;
+        {_share_update_trigger(shareable, " AND new.superseded_gid IS old.superseded_gid")}
+        """
+    )

@@ -7,22 +7,27 @@ triggers read as "not a local change", so a pull never echoes back as a push.
 
 from __future__ import annotations
 
-import asyncio
+import sqlite3
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiosqlite
 import numpy as np
+from pgvector import Vector
 
 from loomd.redact import redact_text
-from loomd.store.memories import MemoryWriter, content_hash, estimate_tokens, insert_memory
+from loomd.store.db import on_thread
+from loomd.store.memories import MemoryWriter, content_hash, estimate_tokens, insert_memory, supersedes_edges
 from loomd.store.migrations import SHARED_KINDS
 from loomd.team.rows import Shared, uuid7
 
 _KINDS = ",".join(f"'{k}'" for k in SHARED_KINDS)
 # A memory the outbox may send: durable kind, project or user scope, and (checked in Python) not private.
 SHAREABLE = f"m.kind IN ({_KINDS}) AND m.scope != 'session'"
+# What the outbox sends: a shareable memory's change, or the archive or restore of an evidence passage the server
+# already holds (store migration m011 queues only those; a passage's first push is `evidence_outgoing`'s).
+QUEUED = f"({SHAREABLE} OR m.kind = 'evidence')"
 
 
 @dataclass(frozen=True)
@@ -47,24 +52,25 @@ def _private_clause(private: Collection[str]) -> tuple[str, list[str]]:
     return f" AND m.project NOT IN ({','.join('?' * len(private))})", sorted(private)
 
 
-async def assign_gids(db: aiosqlite.Connection, private: Collection[str], limit: int) -> int:
+def assign_gids(conn: sqlite3.Connection, private: Collection[str], limit: int) -> int:
     """Give a global id to queued memories that have none, committed before any push: a push cut short and
-    replayed sends the same ids, so the server never sees one memory twice."""
+    replayed sends the same ids, so the server never sees one memory twice. On the writer's thread (`on_thread`),
+    inside the caller's transaction."""
     clause, params = _private_clause(private)
-    return await _give_gids(db, f"SELECT m.id, m.created FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
-                                f" WHERE m.gid IS NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?",
-                            (*params, limit))
+    return _give_gids(conn, f"SELECT m.id, m.created FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
+                            f" WHERE m.gid IS NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?",
+                      (*params, limit))
 
 
-async def assign_evidence_gids(db: aiosqlite.Connection, project: str, limit: int) -> int:
+def assign_evidence_gids(conn: sqlite3.Connection, project: str, limit: int) -> int:
     """The same for a project's evidence passages not yet pushed (an opted-in project, `evidence_outgoing`)."""
-    return await _give_gids(db, f"SELECT m.id, m.created FROM memories m WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NULL"
-                                " ORDER BY m.id LIMIT ?", (project, limit))
+    return _give_gids(conn, f"SELECT m.id, m.created FROM memories m WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NULL"
+                            " ORDER BY m.id LIMIT ?", (project, limit))
 
 
-async def _give_gids(db: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> int:
-    rows = list(await db.execute_fetchall(sql, params))
-    await db.executemany("UPDATE memories SET gid = ? WHERE id = ?", [(uuid7(r[1]), r[0]) for r in rows])
+def _give_gids(conn: sqlite3.Connection, sql: str, params: Sequence[Any]) -> int:
+    rows = conn.execute(sql, params).fetchall()
+    conn.executemany("UPDATE memories SET gid = ? WHERE id = ?", [(uuid7(r[1]), r[0]) for r in rows])
     return len(rows)
 
 
@@ -77,33 +83,38 @@ _VECTOR = " LEFT JOIN memory_vectors v ON v.memory_id = m.id AND v.content_hash 
 _UNSHARED_EVIDENCE = "m.project = ? AND m.kind = 'evidence' AND m.shared_changed IS NULL AND m.device IS NULL"
 
 
-async def outgoing(db: aiosqlite.Connection, who: Identity, private: Collection[str], limit: int) -> list[Outgoing]:
-    """The oldest queued changes as server rows, text re-redacted (the redactor may have learnt since it was
-    stored), with a provenance summary (never the evidence itself) and the vector when it is computed."""
+async def outgoing(db: aiosqlite.Connection, private: Collection[str], limit: int) -> list[dict[str, Any]]:
+    """The oldest queued changes, as plain rows for `to_push`, with a provenance summary (never the evidence
+    itself) and the vector when it is computed."""
     clause, params = _private_clause(private)
-    rows = list(await db.execute_fetchall(
+    return await _plain_rows(db,
         f"SELECT {_ROW}, o.changed AS queued,"
         # The link as this machine knows it: a local one by its target's global id, else one still waiting for
         # its target (pulled before it): a local edit of such a memory must not drop the server's link.
         f" CASE WHEN m.superseded_by IS NULL THEN m.superseded_gid ELSE s.gid END AS superseded_target"
         f" FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
         f" LEFT JOIN memories s ON s.id = m.superseded_by{_VECTOR}"
-        f" WHERE m.gid IS NOT NULL AND {SHAREABLE}{clause} ORDER BY o.changed LIMIT ?", (*params, limit)))
-    # Redaction and the vectors' copies are CPU work: off the event loop, which serves the hooks meanwhile.
-    return await asyncio.to_thread(_outgoing_rows, rows, who)
+        f" WHERE m.gid IS NOT NULL AND {QUEUED}{clause} ORDER BY o.changed LIMIT ?", (*params, limit))
 
 
-async def evidence_outgoing(db: aiosqlite.Connection, who: Identity, project: str, limit: int) -> list[Outgoing]:
-    """A project's evidence passages not yet on the server, oldest first, as server rows: their text re-redacted
-    like a memory's, never the raw events they cite (the provenance counts them). Sent once: a passage is never
-    edited, and `mark_pushed` records the version the server holds."""
-    rows = list(await db.execute_fetchall(
+async def evidence_outgoing(db: aiosqlite.Connection, project: str, limit: int) -> list[dict[str, Any]]:
+    """A project's evidence passages not yet on the server, oldest first, as plain rows for `to_push`: their text
+    is re-redacted like a memory's, never the raw events they cite (the provenance counts them). Sent once: a
+    passage is never edited, and `mark_pushed` records the version the server holds."""
+    return await _plain_rows(db,
         f"SELECT {_ROW}, m.updated AS queued, NULL AS superseded_target FROM memories m{_VECTOR}"
-        f" WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NOT NULL ORDER BY m.id LIMIT ?", (project, limit)))
-    return await asyncio.to_thread(_outgoing_rows, rows, who)
+        f" WHERE {_UNSHARED_EVIDENCE} AND m.gid IS NOT NULL ORDER BY m.id LIMIT ?", (project, limit))
 
 
-def _outgoing_rows(rows: Sequence[Any], who: Identity) -> list[Outgoing]:
+async def _plain_rows(db: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
+    """Rows as dicts, made on the connection's thread in one trip: they are sent to the offload process."""
+    return await on_thread(db, lambda conn: [dict(r) for r in conn.execute(sql, params).fetchall()])
+
+
+def to_push(rows: Sequence[dict[str, Any]], who: Identity) -> list[Outgoing]:
+    """Server rows, their text and tags re-redacted (the redactor may have learnt since they were stored). Run in
+    the offload process: redaction is CPU work (tens of milliseconds a batch for long passages) that, on a thread
+    of the daemon, would hold the interpreter lock the event loop needs to answer hooks."""
     out = []
     for r in rows:
         provenance = {"origin": r["origin"], "agent": r["agent"], "sources": r["nsources"], "hits": r["hits"]}
@@ -114,18 +125,19 @@ def _outgoing_rows(rows: Sequence[Any], who: Identity) -> list[Outgoing]:
             archived_at=r["archived_at"], superseded_by=r["superseded_target"], device=r["device"] or who.device,
             person=r["person"] or who.person, provenance=provenance,
             embed_model=r["vmodel"] if r["vec"] is not None else None,
-            embedding=np.frombuffer(r["vec"], dtype="<f4").copy() if r["vec"] is not None else None)
+            # pgvector's own type, made here: the connection's codec then only packs it, on the event loop.
+            embedding=Vector(np.frombuffer(r["vec"], dtype="<f4")) if r["vec"] is not None else None)
         out.append(Outgoing(r["id"], float(r["queued"]), row))
     return out
 
 
-async def mark_pushed(db: aiosqlite.Connection, done: Sequence[Outgoing]) -> None:
+def mark_pushed(conn: sqlite3.Connection, done: Sequence[Outgoing]) -> None:
     """Dequeue what the server now holds, unless it changed again meanwhile (then its newer change stays queued),
-    and remember the version agreed."""
-    await db.executemany("DELETE FROM shared_outbox WHERE memory_id = ? AND changed = ?",
-                         [(o.memory_id, o.changed) for o in done])
-    await db.executemany("UPDATE memories SET shared_changed = ?, shared_by = ? WHERE id = ?",
-                         [(o.row.changed_at, o.row.changed_by, o.memory_id) for o in done])
+    and remember the version agreed. On the writer's thread, inside the caller's transaction."""
+    conn.executemany("DELETE FROM shared_outbox WHERE memory_id = ? AND changed = ?",
+                     [(o.memory_id, o.changed) for o in done])
+    conn.executemany("UPDATE memories SET shared_changed = ?, shared_by = ? WHERE id = ?",
+                     [(o.row.changed_at, o.row.changed_by, o.memory_id) for o in done])
 
 
 async def apply(db: aiosqlite.Connection, memories: MemoryWriter, rows: Sequence[Shared]) -> dict[str, int]:
@@ -183,12 +195,17 @@ async def apply(db: aiosqlite.Connection, memories: MemoryWriter, rows: Sequence
 
 async def resolve_links(db: aiosqlite.Connection) -> None:
     """Point every waiting supersession link whose target is now here at that memory (this batch's links and
-    those of earlier batches alike). A link changed here meanwhile (`superseded_by` set) is kept: it is queued
-    to push and wins or loses on the server. Moving `superseded_gid` marks the write as sync's: nothing queued."""
+    those of earlier batches alike), with the `supersedes` edge a local supersession writes. A link changed here
+    meanwhile (`superseded_by` set) is kept: it is queued to push and wins or loses on the server. Moving
+    `superseded_gid` marks the write as sync's: nothing queued."""
+    resolved = [(int(r[0]), int(r[1])) for r in await db.execute_fetchall(
+        "SELECT s.id, m.id FROM memories m JOIN memories s ON s.gid = m.superseded_gid"
+        " WHERE m.superseded_gid IS NOT NULL AND m.superseded_by IS NULL AND s.id != m.id")]
     await db.execute(
         "UPDATE memories SET superseded_by = coalesce(superseded_by, (SELECT s.id FROM memories s"
         " WHERE s.gid = memories.superseded_gid)), superseded_gid = NULL WHERE superseded_gid IS NOT NULL"
         " AND EXISTS (SELECT 1 FROM memories s WHERE s.gid = memories.superseded_gid)")
+    await supersedes_edges(db, resolved)
 
 
 async def _one(db: aiosqlite.Connection, sql: str, params: Sequence[Any]) -> Any:
@@ -201,6 +218,6 @@ async def backlog(db: aiosqlite.Connection, private: Collection[str]) -> tuple[i
     clause, params = _private_clause(private)
     rows = list(await db.execute_fetchall(
         f"SELECT count(*), min(o.changed) FROM shared_outbox o JOIN memories m ON m.id = o.memory_id"
-        f" WHERE {SHAREABLE}{clause}", params))
+        f" WHERE {QUEUED}{clause}", params))
     return int(rows[0][0]), rows[0][1]
 

@@ -40,7 +40,7 @@ class Shared:
     person: str
     provenance: dict[str, Any] = field(default_factory=dict)
     embed_model: str | None = None
-    embedding: Any = None  # a numpy float32 vector, or None
+    embedding: Any = None  # a pgvector Vector (or a numpy float32 vector), or None
 
     @property
     def version(self) -> Version:

@@ -10,22 +10,24 @@ store keeps capturing and the outbox keeps every change until a push gets throug
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
 import socket
+import sqlite3
 import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-import aiosqlite
 import asyncpg
 
 from loomd.config import Config
-from loomd.errors import SharedError
+from loomd.errors import ChildDied, SharedError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
+from loomd.offload import Offload
 from loomd.redact import redact_text
-from loomd.store.db import Store
+from loomd.store.db import Store, on_thread
 from loomd.store.memories import MemoryWriter
 from loomd.team import local, remote, schema
 from loomd.team.local import Identity
@@ -34,9 +36,13 @@ from loomd.team.remote import Watermark
 log = logging.getLogger(__name__)
 
 PULL_CHECKPOINT = "shared:pull"
+PUSH_CHECKPOINT = "shared:push"  # rows pushed by this daemon so far: written by the commit that syncs a batch's ids
+_CHECKPOINT_SQL = ("INSERT INTO checkpoints (name, value, updated) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE"
+               " SET value = excluded.value, updated = excluded.updated")
 NO_ROW = "00000000-0000-0000-0000-000000000000"
 BACKOFF_MAX_S = 300.0
-SYNC_ERRORS: tuple[type[BaseException], ...] = (SharedError, *remote.CONNECTION_ERRORS)
+# ChildDied: the offload process (where a batch is redacted) died mid-batch; the next cycle does the batch again.
+SYNC_ERRORS: tuple[type[BaseException], ...] = (SharedError, ChildDied, *remote.CONNECTION_ERRORS)
 MAX_ROUNDS = 10_000  # batches per direction of a forced cycle (push/pull --now): a bound a healthy one never meets
 # Batches per direction of a scheduled cycle: a machine catching up on a large backlog still pushes its own changes
 # every few thousand rows, instead of once the whole backlog is in.
@@ -46,8 +52,9 @@ CYCLE_ROUNDS = 30
 class SyncEngine:
     """One machine's sync: its connection, identity, watermark and health (for `status` and `loom doctor`)."""
 
-    def __init__(self, store: Store, config: Callable[[], Config], memories: MemoryWriter) -> None:
+    def __init__(self, store: Store, config: Callable[[], Config], memories: MemoryWriter, offload: Offload) -> None:
         self.store = store
+        self.offload = offload
         self.config = config
         self.memories = memories
         self.private = PrivateProjects(store.path.parent / PRIVATE_FILE)
@@ -134,34 +141,53 @@ class SyncEngine:
         project made private mid-push stops at once."""
         batch = self.config().shared_batch
 
-        async def assign(db: aiosqlite.Connection, private: Collection[str]) -> None:
+        def assign(conn: sqlite3.Connection, private: Collection[str]) -> None:
             if evidence_of is None:
-                await local.assign_gids(db, private, batch)
+                local.assign_gids(conn, private, batch)
             else:
-                await local.assign_evidence_gids(db, evidence_of, batch)
+                local.assign_evidence_gids(conn, evidence_of, batch)
+
+        def finish(conn: sqlite3.Connection, done: list[local.Outgoing], private: Collection[str]) -> None:
+            local.mark_pushed(conn, done)
+            if len(done) == batch:
+                assign(conn, private)
+
         if evidence_of in self.private.current():
             return
         async with self.store.atomic() as db:
-            await assign(db, self.private.current())
+            await on_thread(db, functools.partial(assign, private=self.private.current()))
+        # `durable_commits` as of the last commit that gave ids without syncing them (None: all on disk).
+        unsynced: int | None = None
         for _ in range(rounds):
             private = self.private.current()
             if evidence_of in private:
                 return
-            queued = await (local.outgoing(self.store.reader, who, private, batch) if evidence_of is None
-                            else local.evidence_outgoing(self.store.reader, who, evidence_of, batch))
-            if not queued:
+            rows = await (local.outgoing(self.store.reader, private, batch) if evidence_of is None
+                          else local.evidence_outgoing(self.store.reader, evidence_of, batch))
+            if not rows:
                 return
+            queued = await self.offload.call("work", local.to_push, rows, who)
+            if unsynced is not None and self.store.durable_commits <= unsynced:
+                # The ids of this batch were given by a commit not yet synced, and no hook has committed since
+                # (a hook's commit syncs it): sync it now. A server must never hold an id this machine could lose.
+                async with self.store.atomic() as db:
+                    await db.execute(_CHECKPOINT_SQL, (PUSH_CHECKPOINT, str(self.pushed), time.time()))
             verdicts = await remote.push(conn, [o.row for o in queued])
             winners = [v.winner for v in verdicts if v.outcome == "lost" and v.winner is not None]
-            # One short write transaction a batch (each one a wait for the hooks, which commit on the same writer):
-            # this batch marked pushed and the next one's global ids given. Only a conflict's winner changes a
-            # memory, and only then are the memory listeners (the vector back-fill) woken.
-            async with (self.memories.atomic() if winners else self.store.atomic()) as db:
-                await local.mark_pushed(db, queued)
-                if winners:
+            finished = functools.partial(finish, done=queued, private=private)
+            if winners:
+                # A conflict's winner changes a memory: a durable transaction, and the memory listeners (the
+                # vector back-fill) woken.
+                async with self.memories.atomic() as db:
+                    await on_thread(db, finished)
                     await local.apply(db, self.memories, winners)
-                if len(queued) == batch:
-                    await assign(db, private)
+                unsynced = None
+            else:
+                # One short write transaction a batch (the hooks commit on the same writer and wait for it): this
+                # batch marked pushed and the next one's global ids given, in one trip to the writer's thread,
+                # committed without waiting for the disk. A power cut may undo it: the batch is pushed again (the
+                # server answers "same"), and the next batch is not pushed before its ids are on disk (above).
+                _, unsynced = await self.store.commit_relaxed(finished)
             for verdict in verdicts:
                 counts[verdict.outcome] += 1
             self.pushed += len(queued)
@@ -180,10 +206,7 @@ class SyncEngine:
             async with self.memories.atomic() as db:
                 for name, n in (await local.apply(db, self.memories, [row for row, _ in got])).items():
                     counts[name] += n
-                await db.execute(
-                    "INSERT INTO checkpoints (name, value, updated) VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE"
-                    " SET value = excluded.value, updated = excluded.updated",
-                    (PULL_CHECKPOINT, json.dumps(list(got[-1][1])), time.time()))
+                await db.execute(_CHECKPOINT_SQL, (PULL_CHECKPOINT, json.dumps(list(got[-1][1])), time.time()))
             self.pulled += len(got)
             if len(got) < batch:
                 break
