@@ -441,17 +441,23 @@ async def search_hits(
     # (the passages of one tool result, a memory and the evidence it came from); enough candidates for the slots.
     # A passage of an aside (a step that only showed files: a Read, `cat`, `rg`; a message that only announces the
     # next step) keeps a share of its score: the answer is what the session found, said or did. Twice the pool is
-    # read, so what the others drop to makes room for what rises.
-    looked = fused[: 2 * limit * COLLAPSE_POOL]
-    rows = await ctx.store.fetchall("SELECT m.* FROM memories m WHERE m.id IN (SELECT value FROM json_each(?))",
-                                    [json.dumps([f[0] for f in looked])])
-    by_id = {row["id"]: row for row in rows}
+    # looked at, so what the others drop to makes room for what rises.
+    slots = limit * COLLAPSE_POOL
+    looked = fused[: 2 * slots]
+    by_id = await _rows(ctx.store, [f[0] for f in looked[:slots]])
     if knobs["aside_prior"] < 1:
         asides = {i for i, row in by_id.items() if marked_aside(row["kind"], row["meta"])}
-        share = knobs["aside_prior"]
-        looked = sorted(((i, score * share if i in asides else score, parts) for i, score, parts in looked),
-                        key=lambda f: (-f[1], f[0]))
-    candidates = looked[: limit * COLLAPSE_POOL]
+        # With no aside in the first `slots` nothing there drops, so nothing past them rises (`fused` is in score
+        # order, equal scores by id): the rows past them are read only when an aside makes room.
+        if asides and len(looked) > slots:
+            more = await _rows(ctx.store, [f[0] for f in looked[slots:]])
+            by_id.update(more)
+            asides.update(i for i, row in more.items() if marked_aside(row["kind"], row["meta"]))
+        if asides:
+            share = knobs["aside_prior"]
+            looked = sorted(((i, score * share if i in asides else score, parts) for i, score, parts in looked),
+                            key=lambda f: (-f[1], f[0]))
+    candidates = looked[:slots]
     sources = await _sources(ctx.store, [f[0] for f in candidates])
     # Out of date (superseded by a later memory) ranks below everything current, its successor included.
     candidates.sort(key=lambda f: f[0] in by_id and by_id[f[0]]["superseded_by"] is not None)
@@ -621,6 +627,13 @@ def _repeats(mine: frozenset[str], shown: frozenset[str], share: float = REPEATE
 def _near(a: frozenset[str], b: frozenset[str]) -> bool:
     """Two texts that say nearly the same words (Jaccard over their terms)."""
     return bool(a) and bool(b) and len(a & b) >= NEAR_DUPLICATE * len(a | b)
+
+
+async def _rows(store: Store, ids: Sequence[int]) -> dict[int, Any]:
+    """The memories' rows by id."""
+    rows = await store.fetchall("SELECT m.* FROM memories m WHERE m.id IN (SELECT value FROM json_each(?))",
+                                [json.dumps(list(ids))])
+    return {row["id"]: row for row in rows}
 
 
 async def _sources(store: Store, ids: Sequence[int]) -> dict[int, tuple[int, ...]]:
