@@ -8,7 +8,9 @@ yields the CPU to the loop and the agent.
 
 A call names a lane and a module-level function (sent by reference, pickled with its arguments). Each lane has one
 thread in the child, so a query's embedding never waits behind a back-fill batch and the observer's text work never
-waits behind either. The child is started with `spawn` (the daemon has threads a fork would copy mid-lock) and is
+waits behind either. The query lane (a search waits on it) has a pipe of its own, which the calling thread writes
+and reads itself: two thread wake-ups a call instead of four (the child's dispatcher and the parent's reader are
+not in its path). The child is started with `spawn` (the daemon has threads a fork would copy mid-lock) and is
 shared by every daemon of one process (tests start many; the model loads once).
 
 Supervision: `watch()` (a task of the daemon's `Supervisor`) starts the child and waits for it to exit; a child
@@ -44,6 +46,7 @@ T = TypeVar("T")
 CHILD_NICE = 10
 LANES = ("embed", "query", "work", "parse")
 BACKGROUND = frozenset({"embed", "work"})  # the lanes nobody waits on: the back-fill, the workers' text work
+DIRECT = ("query",)  # lanes with a pipe of their own, called from a thread (`call_sync`), one call at a time
 
 
 class Offload:
@@ -55,6 +58,11 @@ class Offload:
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._direct: dict[str, Connection] = {}
+        # One call at a time on a direct lane: its reply is the next message on its pipe (the child's lane runs one
+        # call at a time anyway).
+        self._direct_locks = {lane: threading.Lock() for lane in DIRECT}
+        self._direct_busy = 0
         self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._ids = itertools.count(1)
         self.starts = 0
@@ -68,7 +76,8 @@ class Offload:
         return proc.pid if proc is not None and self._conn is not None and proc.is_alive() else None
 
     def status(self) -> dict[str, Any]:
-        return {"pid": self.pid, "starts": self.starts, "calls": self.calls, "in_flight": len(self._pending)}
+        return {"pid": self.pid, "starts": self.starts, "calls": self.calls,
+                "in_flight": len(self._pending) + self._direct_busy}
 
     def ensure_started(self) -> None:
         """Start the child unless it runs (blocking: spawning and importing take a fraction of a second)."""
@@ -79,10 +88,18 @@ class Offload:
                 return
             ctx = multiprocessing.get_context("spawn")
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_child_main, args=(child, self.nice), name="loomd-offload", daemon=True)
+            direct = {lane: ctx.Pipe() for lane in DIRECT}
+            proc = ctx.Process(target=_child_main, args=(child, self.nice, {k: c for k, (_, c) in direct.items()}),
+                               name="loomd-offload", daemon=True)
             proc.start()
             child.close()
+            for _, end in direct.values():
+                end.close()
+            for old in self._direct.values():  # a dead child's: a caller still blocked on it gets EOFError
+                with contextlib.suppress(OSError):
+                    old.close()
             self._proc, self._conn = proc, parent
+            self._direct = {k: p for k, (p, _) in direct.items()}
             self.starts += 1
             threading.Thread(target=self._read, args=(proc, parent), name="loomd-offload-reader",
                              daemon=True).start()
@@ -109,6 +126,8 @@ class Offload:
         raise ChildDied(f"the offload process {pid} exited ({proc.exitcode if proc is not None else '?'})")
 
     def submit(self, lane: str, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        if lane in DIRECT:
+            raise ValueError(f"lane {lane!r} has a pipe of its own: use call_sync (or call)")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             conn, proc = self._conn, self._proc
@@ -130,11 +149,38 @@ class Offload:
 
     async def call(self, lane: str, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` in the child on `lane`, from the event loop."""
+        if lane in DIRECT:
+            return await asyncio.to_thread(self._call_direct, lane, fn, args)
         return await asyncio.wrap_future(self.submit(lane, fn, *args))
 
     def call_sync(self, lane: str, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` in the child on `lane`, from a thread (blocking)."""
+        if lane in DIRECT:
+            return self._call_direct(lane, fn, args)
         return self.submit(lane, fn, *args).result()
+
+    def _call_direct(self, lane: str, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """A call on a lane's own pipe: this thread sends it and reads the reply."""
+        with self._direct_locks[lane]:
+            with self._lock:
+                conn, proc = self._direct.get(lane), self._proc
+                if conn is None or self._conn is None or proc is None or not proc.is_alive():
+                    raise ChildDied("the offload process is not running (restarting)")
+                self.calls += 1
+                self._direct_busy += 1
+            try:
+                # Pickled whole before a byte is written: arguments that cannot travel (a bug) leave the pipe clean.
+                conn.send((fn, args))
+                ok, value = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise ChildDied(f"the offload process {proc.pid} died: {exc or 'connection closed'}") from exc
+            finally:
+                with self._lock:
+                    self._direct_busy -= 1
+        if not ok:
+            raise value
+        result: T = value
+        return result
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the child for good (blocking): it finishes the calls it runs, then exits; for a private helper whose
@@ -152,6 +198,9 @@ class Offload:
             with self._lock:
                 if self._proc is proc:
                     self._conn = None  # gone: the next `ensure_started` starts a fresh child at once
+                    for own in self._direct.values():
+                        own.close()
+                    self._direct = {}
 
     def _read(self, proc: multiprocessing.process.BaseProcess, conn: Connection) -> None:
         """The reader thread of one child: resolves calls as replies come; on its death fails what is left."""
@@ -220,8 +269,9 @@ def lower_thread_priority(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
-def _child_main(conn: Connection, nice: int) -> None:
-    """Serve calls until the parent goes away (the pipe closes); each lane on its own thread.
+def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | None = None) -> None:
+    """Serve calls until the parent goes away (the pipe closes); each lane on its own thread, a direct lane's thread
+    reading its own pipe.
 
     On Linux only the background lanes' threads are niced: a search waits on the query lane's embedding, and a hook
     on the parse lane, so those (and the thread that reads the calls) keep the daemon's priority; a niced query
@@ -234,7 +284,9 @@ def _child_main(conn: Connection, nice: int) -> None:
     lower = functools.partial(lower_thread_priority, nice)
     lanes = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane}",
                                       initializer=lower if nice and per_thread and lane in BACKGROUND else None)
-             for lane in LANES}
+             for lane in LANES if lane not in DIRECT}
+    for lane, own in (direct or {}).items():
+        threading.Thread(target=_serve_direct, args=(own,), name=f"offload-{lane}", daemon=True).start()
 
     def run(rid: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
@@ -258,3 +310,22 @@ def _child_main(conn: Connection, nice: int) -> None:
     finally:
         for pool in lanes.values():
             pool.shutdown(wait=finish, cancel_futures=not finish)
+
+
+def _serve_direct(conn: Connection) -> None:
+    """A direct lane in the child: each call read, run and answered on this thread, until the pipe closes."""
+    while True:
+        try:
+            fn, args = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone, or this child is exiting
+        try:
+            reply: tuple[bool, Any] = (True, fn(*args))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to its caller
+            reply = (False, exc)
+        try:
+            conn.send(reply)
+        except (TypeError, AttributeError, ValueError, pickle.PicklingError) as exc:  # unpicklable result
+            conn.send((False, RuntimeError(f"{type(reply[1]).__name__} could not be sent back: {exc}")))
+        except OSError:
+            return

@@ -346,12 +346,20 @@ def load_local(model_path: Path | None = None, threads: int = 1) -> LocalEmbedde
 
 
 _single_runs = itertools.count(1)
+# The offload process's models by the caller's arguments: `load_local` finds the package's file and stats it (0.1 ms,
+# a tenth of a query's trip to that process) to notice a replaced file; here the first call loads and checks it
+# (the daemon's warm-up, `make_embedder`), and a file replaced later is read when the process next starts, as the
+# model in the daemon's own process was.
+_IN_CHILD: dict[tuple[Path | None, int], LocalEmbedder] = {}
 
 
 def embed_local(model_path: Path | None, threads: int, texts: list[str]) -> list[bytes]:
     """In the offload process: the local model (loaded there once) embeds `texts`."""
     try:
-        return load_local(model_path, threads).embed(texts)
+        model = _IN_CHILD.get((model_path, threads))
+        if model is None:
+            model = _IN_CHILD.setdefault((model_path, threads), load_local(model_path, threads))
+        return model.embed(texts)
     finally:
         # The model's run buffers, freed: the process's RSS must not keep each batch's peak. A query's buffers are
         # small and a trim costs it ~0.5 ms (a third of the trip to this process): queries trim every few runs.
