@@ -105,6 +105,34 @@ def scan(conn: sqlite3.Connection, model: str, dirty: Sequence[int], cursor: int
     return list(found.values()), cursor
 
 
+class Backlog:
+    """How many memories lie above the back-fill's cursor (`status`'s `pending`). Kept up by counting only the ids
+    the cursor passed and the ids written since, not every id above the cursor after each batch: at 100k memories
+    that recount was most of the back-fill thread's time with a fast embedder. A memory deleted inside the counted
+    range is noticed at the next count from a cursor moved back (a full rescan)."""
+
+    def __init__(self) -> None:
+        self._low = -1  # the cursor the count is from (-1: nothing counted yet)
+        self._high = 0  # the newest id counted
+        self._count = 0
+
+    def above(self, conn: sqlite3.Connection, cursor: int) -> int:
+        newest = int(conn.execute("SELECT coalesce(max(id), 0) FROM memories").fetchone()[0])
+        if self._low < 0 or not self._low <= cursor <= self._high:
+            self._count = _ids_between(conn, cursor, newest)
+        else:
+            self._count += _ids_between(conn, self._high, newest) - _ids_between(conn, self._low, cursor)
+        self._low, self._high = cursor, max(cursor, newest)
+        return max(0, self._count)
+
+
+def _ids_between(conn: sqlite3.Connection, low: int, high: int) -> int:
+    """Memories with low < id <= high (a range of the table's own key)."""
+    if high <= low:
+        return 0
+    return int(conn.execute("SELECT count(*) FROM memories WHERE id > ? AND id <= ?", (low, high)).fetchone()[0])
+
+
 def _vectors(conn: sqlite3.Connection, model: str, ids: Sequence[int]) -> dict[int, bytes]:
     if not ids:
         return {}

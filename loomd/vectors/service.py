@@ -19,7 +19,7 @@ from loomd.errors import ChildDied, EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
 from loomd.offload import Offload, lower_thread_priority
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
-from loomd.vectors.backfill import BATCH, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
+from loomd.vectors.backfill import BATCH, Backlog, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
 from loomd.vectors.embed import (
     LOCAL_NAME,
     TRIM_EVERY,
@@ -77,6 +77,7 @@ class VectorService:
         self._dirty: set[int] = set()  # committed, to check
         self._written: set[int] = set()  # written in a transaction that may not have committed yet
         self._cursor = 0
+        self._backlog = Backlog()  # memories above the cursor, counted as the cursor moves
         self._conn: sqlite3.Connection | None = None  # the back-fill thread's
         self._vec_reader: aiosqlite.Connection | None = None
         self._queries = 0
@@ -249,8 +250,7 @@ class VectorService:
             self._dirty.update(taken)
             raise
         release_memory()
-        self.pending = max(0, conn.execute(
-            "SELECT count(*) FROM memories WHERE id > ?", (self._cursor,)).fetchone()[0])
+        self.pending = self._backlog.above(conn, self._cursor)
         return plan
 
     async def _one_batch(self) -> bool:
