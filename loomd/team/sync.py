@@ -1,5 +1,6 @@
 """Sync with the team's server: push this machine's queued changes, pull everyone else's, one short transaction at a
-time on each side, on a connection of its own.
+time on each side, on a connection of its own, which lives on a thread of its own (`team/wire.py`): the hooks'
+event loop reads and writes the local store and hands each batch over.
 
 A cycle pushes first (so a conflict is settled on the server, where the loser goes to history and the winner comes
 straight back), then pulls past its watermark. A failure (server down, refused, timed out) closes the connection,
@@ -32,6 +33,8 @@ from loomd.store.memories import MemoryWriter
 from loomd.team import local, remote, schema
 from loomd.team.local import Identity
 from loomd.team.remote import Watermark
+from loomd.team.rows import Verdict
+from loomd.team.wire import Wire
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,8 @@ class SyncEngine:
         self.memories = memories
         self.private = PrivateProjects(store.path.parent / PRIVATE_FILE)
         self.lock = asyncio.Lock()
+        # Where the connection lives and every server round trip runs: the hooks' event loop only hands over.
+        self.wire = Wire()
         self._conn: asyncpg.Connection | None = None
         self._who: Identity | None = None
         self.failures = 0
@@ -106,13 +111,7 @@ class SyncEngine:
         cfg = self.config()
         if not cfg.shared_team:
             raise SharedError("no team configured: set [shared] team (the team this machine's memories belong to)")
-        conn = await remote.connect(cfg)
-        try:
-            await remote.check_schema(conn)
-            role = str(await conn.fetchval("SELECT current_user"))
-        except BaseException:
-            await conn.close()
-            raise
+        conn, role = await self.wire.run(_open, cfg)
         self._conn = conn
         self._who = Identity(cfg.shared_team, cfg.shared_device or socket.gethostname(), role)
         return conn, self._who
@@ -166,13 +165,12 @@ class SyncEngine:
                           else local.evidence_outgoing(self.store.reader, evidence_of, batch))
             if not rows:
                 return
-            queued = await self.offload.call("work", local.to_push, rows, who)
             if unsynced is not None and self.store.durable_commits <= unsynced:
                 # The ids of this batch were given by a commit not yet synced, and no hook has committed since
                 # (a hook's commit syncs it): sync it now. A server must never hold an id this machine could lose.
                 async with self.store.atomic() as db:
                     await db.execute(_CHECKPOINT_SQL, (PUSH_CHECKPOINT, str(self.pushed), time.time()))
-            verdicts = await remote.push(conn, [o.row for o in queued])
+            queued, verdicts = await self.wire.run(self._send, conn, rows, who)
             winners = [v.winner for v in verdicts if v.outcome == "lost" and v.winner is not None]
             finished = functools.partial(finish, done=queued, private=private)
             if winners:
@@ -195,12 +193,20 @@ class SyncEngine:
             if len(queued) < batch:
                 return
 
+    async def _send(
+        self, conn: asyncpg.Connection, rows: list[dict[str, Any]], who: Identity
+    ) -> tuple[list[local.Outgoing], list[Verdict]]:
+        """On the wire's thread: the batch redacted in the offload process (the rows written to its pipe from
+        here, not from the hooks' loop), then pushed."""
+        queued = await self.offload.call("work", local.to_push, rows, who)
+        return queued, await remote.push(conn, [o.row for o in queued])
+
     async def _pull(self, conn: asyncpg.Connection, who: Identity, rounds: int) -> dict[str, int]:
         counts = {"inserted": 0, "updated": 0, "skipped": 0}
         batch = self.config().shared_batch
         for _ in range(rounds):
             mark = await self.watermark()
-            got = await remote.pull(conn, who.team, who.device, mark, batch)
+            got = await self.wire.run(remote.pull, conn, who.team, who.device, mark, batch)
             if not got:
                 break
             async with self.memories.atomic() as db:
@@ -243,9 +249,8 @@ class SyncEngine:
         async with self.lock:
             try:
                 conn, who = await self._connection()
-                visible = int(await conn.fetchval("SELECT count(*) FROM loomd.memories"))
-                backlog = await remote.pending(conn, who.team, who.device, await self.watermark())
-                version, dim = await schema.server_version(conn)
+                mark = await self.watermark()
+                visible, backlog, (version, dim) = await self.wire.run(_server_status, conn, who, mark)
             except remote.CONNECTION_ERRORS as exc:
                 await self.close()
                 raise SharedError(f"the shared server did not answer: {remote.describe(exc)}") from None
@@ -253,9 +258,33 @@ class SyncEngine:
                 "dim": dim}
 
     async def close(self) -> None:
+        """Close the connection and end the wire's thread (the next cycle starts both afresh)."""
         conn, self._conn = self._conn, None
         if conn is not None and not conn.is_closed():
-            try:
-                await asyncio.wait_for(conn.close(), 2.0)
-            except remote.CONNECTION_ERRORS:
-                conn.terminate()
+            await self.wire.run(_close, conn)
+        await asyncio.to_thread(self.wire.stop)
+
+
+async def _open(cfg: Config) -> tuple[asyncpg.Connection, str]:
+    """A connection to a server whose schema this loomd speaks, and the role it logged in as."""
+    conn = await remote.connect(cfg)
+    try:
+        await remote.check_schema(conn)
+        role = str(await conn.fetchval("SELECT current_user"))
+    except BaseException:
+        await conn.close()
+        raise
+    return conn, role
+
+
+async def _server_status(conn: asyncpg.Connection, who: Identity, mark: Watermark) -> tuple[int, int, tuple[int, int]]:
+    visible = int(await conn.fetchval("SELECT count(*) FROM loomd.memories"))
+    backlog = await remote.pending(conn, who.team, who.device, mark)
+    return visible, backlog, await schema.server_version(conn)
+
+
+async def _close(conn: asyncpg.Connection) -> None:
+    try:
+        await asyncio.wait_for(conn.close(), 2.0)
+    except remote.CONNECTION_ERRORS:
+        conn.terminate()
