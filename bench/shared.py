@@ -11,7 +11,9 @@ not blur the numbers; pushed memories carry 384-d vectors written into the store
 - hook: `hook` round trips (PostToolUse) in pairs, one to A and one to C (a daemon on a copy of A's store that does
   not sync; each pair in a random order): while both are idle (the noise floor of A − C), then while A pushes its
   backlog (C feels the machine's load, A that plus its own sync). `--runs` repeats this on fresh stores and an
-  emptied server; each run is reported, and A − C as the median of the runs with their range.
+  emptied server; each run is reported, and A − C as the median of the runs with their range. Also the CPU time of
+  A's event-loop thread minus C's over the push, per batch (from /proc): the part of the sync a hook can queue
+  behind.
 - search: at each `--rows` level, the server topped up with COPY (its GIN and HNSW indexes dropped, then built
   once, with the memory and parallel workers an admin gives a bulk load; progress on stderr), then `search` with
   `scope: "shared"` as the team's role under row-level security (full text + HNSW KNN fused by RRF), p50/p99 over
@@ -63,6 +65,7 @@ from loomd.team import schema  # noqa: E402
 from loomd.team.search import SharedSearch  # noqa: E402
 
 PROJECT = "git:example.com/acme/widget"
+BATCH = 100  # rows per push batch (`shared_batch`'s default)
 DIM = 384
 MODEL = "bench-random"
 WORDS = ("cache redis postgres index query migration deploy kubernetes retry timeout webhook billing invoice "
@@ -187,6 +190,15 @@ def pooled(on_a: list[float], on_c: list[float]) -> dict[str, Any]:
             "p50_ci95_ms": interval(on_a, on_c, 0.5), "p99_ci95_ms": interval(on_a, on_c, 0.99)}
 
 
+def loop_cpu_ms(proc: DaemonProcess) -> float:
+    """CPU time (user + system) of a daemon's main thread, the one running its event loop: what a hook queues
+    behind. From /proc (10 ms ticks: read over a whole push, not per call)."""
+    assert proc.proc is not None
+    pid = proc.proc.pid
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
 def clear_server(pg: PgServer, team: str) -> None:
     """Empty the team's rows (as the admin) so that every run pushes into the same server."""
     async def run() -> None:
@@ -226,16 +238,21 @@ def push_run(pg: PgServer, root: Path, team: str, roles: dict[str, str], templat
                     result["reply"] = pc.call("shared_sync", {"pull": False})
                     result["s"] = time.perf_counter() - started
             thread = threading.Thread(target=push)
+            cpu = (loop_cpu_ms(a_proc), loop_cpu_ms(c_proc))
             thread.start()
             busy_a, busy_c = pairs(a, control, rng, 100_000, lambda _: not thread.is_alive())
             thread.join()
+            loop_a, loop_c = loop_cpu_ms(a_proc) - cpu[0], loop_cpu_ms(c_proc) - cpu[1]
     finally:
         a_proc.stop()
         c_proc.stop()
         shutil.rmtree(a_proc.home, ignore_errors=True)
         shutil.rmtree(c_proc.home, ignore_errors=True)
     return {"push": {"memories": n, "seconds": round(result["s"], 3), "memories_per_s": round(n / result["s"], 1),
-                     "reply": result["reply"]["push"]},
+                     "reply": result["reply"]["push"],
+                     # A's loop thread minus C's over the push (both served the same hooks): the sync's own share.
+                     "loop_cpu_ms": {"a": loop_a, "c": loop_c,
+                                     "a_minus_c_per_batch": round((loop_a - loop_c) / (n / BATCH), 2)}},
             "idle": {"a": summary(idle_a), "c": summary(idle_c), "a_minus_c": difference(idle_a, idle_c)},
             "during_push": {"a": summary(busy_a), "c": summary(busy_c), "a_minus_c": difference(busy_a, busy_c)},
             "samples": {"idle": (idle_a, idle_c), "during_push": (busy_a, busy_c)}}
@@ -260,6 +277,8 @@ def push_pull_and_hooks(pg: PgServer, root: Path, team: str, roles: dict[str, st
         return {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values)}
     out: dict[str, Any] = {
         "push": {"memories": n, "memories_per_s": [run["push"]["memories_per_s"] for run in each],
+                 "loop_cpu_ms_per_batch_a_minus_c": [run["push"]["loop_cpu_ms"]["a_minus_c_per_batch"]
+                                                     for run in each],
                  "reply": each[-1]["push"]["reply"]},
         "hook_rtt": {
             "runs": [{phase: {"a_p50_ms": run[phase]["a"]["p50_ms"], "a_p99_ms": run[phase]["a"]["p99_ms"],
