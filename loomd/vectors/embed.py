@@ -223,7 +223,10 @@ class LocalEmbedder:
         np = self._np
         if not texts:
             return []
-        encodings = self._tokenizer.encode_batch(list(texts))
+        # One text (a query) is tokenized on this thread: `encode_batch` hands even one text to the tokenizer's
+        # rayon pool and waits for it, a hop of two thread wake-ups, and in the offload process that pool's threads
+        # were started by the back-fill's niced lane, so on a busy machine the query waited for a niced thread.
+        encodings = [self._tokenizer.encode(texts[0])] if len(texts) == 1 else self._tokenizer.encode_batch(list(texts))
         order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
         out: list[bytes] = [b""] * len(texts)
         for chunk in self._batches(order, [len(e.ids) for e in encodings]):
@@ -402,7 +405,10 @@ def make_embedder(config: Config, offload: Offload | None = None) -> Embedder:
             return load_local(path, threads=threads)
         offload.ensure_started()  # the supervisor starts it too; whichever comes first
         child = ChildEmbedder(offload, path, threads)
-        child.embed(["warm up"])  # loads (and checks) the model now: a broken install fails at startup
+        # Loads (and checks) the model now, so a broken install fails at startup; on the query lane, the thread
+        # that runs every search's embedding: a session created and first run on another thread of the helper
+        # (the back-fill's lane) ran each query 0.1-0.4 ms slower there, with ~50 more page faults a run.
+        child.on_lane("query").embed(["warm up"])
         return child
     if kind == "openai":
         timeout = float(getattr(config, "embed_timeout_s", 30.0) or 30.0)
