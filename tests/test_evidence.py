@@ -315,3 +315,24 @@ async def test_an_observation_shows_the_lines_of_its_step_that_match(client: Asy
     assert clip["kind"] == "observation" and clip["collapsed"], results  # the report's passage took no slot
     assert "ops/keys/release.asc" in clip["text"] and "module 3 " not in clip["text"], clip["text"]
     assert len(clip["text"]) <= LEAD_CHARS
+
+
+async def test_an_observation_that_repeats_a_hit_above_it_takes_no_slot(client: AsyncClient) -> None:
+    """Two turns report the same thing in nearly the same words: the second observation repeats the first by what it
+    says itself — the different lines of its own step it would show do not make it new."""
+    said = "the interactive style guide showcase for the design system is at docs/showcase.html with every component"
+    details = [f"- section {i}: {word} examples with live previews" for i, word in
+               enumerate(["buttons", "forms", "tables", "cards", "modals", "tabs", "alerts", "badges"] * 3)]
+    others = [f"- checked page {i}: layout renders in every browser" for i in range(24)]
+    project = await _session(client, "rep-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "build the showcase page for the design system"},
+        _said("\n".join([f"Created {said}.", *details])),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "is the showcase done? check the layout"},
+        _said("\n".join([f"Confirmed: {said}.", *others])),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "thanks, now bump the version in package.json"},
+        _said("Bumped the version in package.json to 2.4.1."),
+    ])
+    query = "where is the interactive style guide showcase of the design system"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=5))["results"]
+    reports = [r for r in results if r["kind"] == "observation" and said in r["text"]]
+    assert len(reports) == 1 and reports[0]["collapsed"], [(r["kind"], r["text"][:90]) for r in results]

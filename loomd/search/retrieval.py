@@ -563,10 +563,13 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
             passages, lines = steps.get((events[0], head), (0, []))
             if passages > 1 or len(hit.memory["text"]) > room:
                 hit.memory["text"] = best_windows(head, lines, holds, room)
-        elif hit.memory["kind"] == "observation" and events:
-            hit.memory["text"] = with_source_lines(hit.memory["text"], events[:MAX_SOURCE_STEPS], steps, holds, room)
+        own = hit.memory["text"]
+        if hit.memory["kind"] == "observation" and events and head is None:
+            hit.memory["text"] = with_source_lines(own, events[:MAX_SOURCE_STEPS], steps, holds, room)
         words = frozenset(query_terms(hit.memory["text"], limit=None))
-        twin = next((h for h, w in shown if _repeats(words, w, repeated)), None)
+        # An observation repeats a hit shown above it by what it says itself, not by the lines of its step it shows.
+        says = frozenset(query_terms(own, limit=None)) if own is not hit.memory["text"] else words
+        twin = next((h for h, w in shown if _repeats(says, w, repeated)), None)
         if twin is not None:
             twin.memory.setdefault("collapsed", []).extend([memory_id, *hit.memory.get("collapsed", [])])
             continue
