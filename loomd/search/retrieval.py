@@ -48,8 +48,7 @@ MODE_WEIGHTS: dict[str, dict[str, float]] = {
 GRAPH_POSTINGS = 1000
 COLLAPSE_POOL = 4  # candidates per slot read for the provenance collapse
 NEAR_DUPLICATE = 0.75  # a hit sharing this share of its terms with a better one takes no slot
-MIN_SOURCE_ROOM = 120  # an observation shows its source step's lines when this much room is left (see
-# `_with_source_lines`)
+MIN_SOURCE_ROOM = 120  # an observation shows its source step's lines when this much room is left (`_with_source_lines`)
 MAX_SOURCE_STEPS = 8  # of an observation's source steps, this many are read for its lines
 SPARE_HITS = 10  # hits kept past the limit, to move up when a hit shown collapses into another
 REPEATED = 0.8  # a hit whose terms are this share of a shown one's shows nothing new ...
@@ -564,8 +563,8 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
             if passages > 1 or len(hit.memory["text"]) > room:
                 hit.memory["text"] = best_windows(head, lines, holds, room)
         own = hit.memory["text"]
-        if hit.memory["kind"] == "observation" and events and head is None:
-            hit.memory["text"] = with_source_lines(own, events[:MAX_SOURCE_STEPS], steps, holds, room)
+        if hit.memory["kind"] == "observation" and events:
+            hit.memory["text"] = _with_source_lines(own, events[:MAX_SOURCE_STEPS], steps, holds, room)
         words = frozenset(query_terms(hit.memory["text"], limit=None))
         # An observation repeats a hit shown above it by what it says itself, not by the lines of its step it shows.
         says = frozenset(query_terms(own, limit=None)) if own is not hit.memory["text"] else words
@@ -592,12 +591,12 @@ async def _steps(store: Store, events: Sequence[int]) -> dict[tuple[int, str], t
             for key, texts in parts.items()}
 
 
-def with_source_lines(text: str, events: Sequence[int], steps: Mapping[tuple[int, str], tuple[int, list[str]]],
-                      holds: Callable[[str], frozenset[str]], room: int) -> str:
+def _with_source_lines(text: str, events: Sequence[int], steps: Mapping[tuple[int, str], tuple[int, list[str]]],
+                       holds: Callable[[str], frozenset[str]], room: int) -> str:
     """An observation followed by the lines of its source step that match the query, in the room a passage hit
     would have: an observation is a clip ("Reported: <first sentence>", "User asked (before compaction): …",
     "Edited a, b") that takes the slot of the step it came from (the provenance collapse), and the answer is often
-    further down that step (coding QA dev set, same store: all@5 .62 → .65, tokens in the top 5 645 → 728). Of
+    further down that step (coding QA dev set: all@5 .62 → .66, tokens in the top 5 645 → 724). Of
     several source steps (an observation of many edits), the one whose lines hold the most query terms; a line that
     says nearly only what the clip says (a report's first line is its "Reported: …") is not shown again."""
     left = room - len(text) - 1

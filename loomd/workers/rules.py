@@ -95,7 +95,7 @@ def _same_job(failed: str, fixed: str) -> bool:
 
 
 # The user's request to change how something is: "let's modify the link button to be classic blue", "make the
-# header sticky", "change the port to 8080" (not "make sure …", not a question).
+# sidebar more compact", "change the port to 8080" (not "make sure …", not a question).
 CHANGE_REQUEST = re.compile(
     r"^(?:(?:ok(?:ay)?|alright|now|great|cool|nice|perfect|good|thanks)[,.!]*\s+)?(?:let'?s\s+|please\s+)?"
     r"(?:make|change|modify|set|switch|turn|update|recolou?r)\s+(?!sure\b)[^?]{2,80}?\s+"
