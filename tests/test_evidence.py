@@ -10,7 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from conftest import need_test_data
+import pytest
+from conftest import need_test_data, serving
 
 from loomd.client import AsyncClient
 from loomd.context.render import recall_room
@@ -19,7 +20,7 @@ from loomd.search.fusion import query_terms
 from loomd.search.retrieval import dense_wins, held_terms
 from loomd.search.windows import GAP, LEAD_CHARS, WINDOW_CHARS, best_windows, merge_passages
 from loomd.workers.evidence import MAX_ITEM_CHARS, PASSAGE_CHARS, evidence_of, head_and_tail, passages
-from loomd.workers.steps import Step
+from loomd.workers.steps import NO_RESULT, Step
 
 REAL = "daaain-claude-code-log/-Users-dain-workspace-danieldemmel-me-next"
 
@@ -336,3 +337,30 @@ async def test_an_observation_that_repeats_a_hit_above_it_takes_no_slot(client: 
     results = (await client.call("search", query=query, mode="keyword", project=project, limit=5))["results"]
     reports = [r for r in results if r["kind"] == "observation" and said in r["text"]]
     assert len(reports) == 1 and reports[0]["collapsed"], [(r["kind"], r["text"][:90]) for r in results]
+
+
+
+async def test_a_call_the_session_ended_on_is_evidence(home: Path, sock_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real Codex session ends on the command that exported it: the transcript holds the call and no result. While
+    the session may go on, the call waits for its result; once it is over, the call is a passage of its own."""
+    monkeypatch.setenv("LOOMD_PASSIVE", "1")  # the observer runs when asked, nothing behind the test's back
+    monkeypatch.setenv("LOOMD_EMBEDDER", "none")
+    path = need_test_data("transcripts", "kunalcode12-Empire-of-bits-vorld") / "codex-session.jsonl"
+    async with serving(sock_path) as daemon, AsyncClient(sock_path) as client:
+        assert daemon.tailer is not None
+        (session,) = (await daemon.tailer.import_file(path))["sessions"]
+        project = (await client.call("events", session_id=session, limit=1))["events"][0]["project"]
+
+        async def found() -> list[str]:
+            hits = await client.call("search", query="Copy-Item codex-session.jsonl", mode="keyword",
+                                     project=project)
+            return [r["text"] for r in hits["results"] if r["kind"] == "evidence" and "Copy-Item" in r["text"]]
+
+        assert (await client.call("workers_run", name="observer", session_id=session, final=False))["outcome"] == "ok"
+        assert await found() == []
+        await client.call("hook", event="SessionEnd", agent="codex",
+                          raw=json.dumps({"session_id": session, "hook_event_name": "SessionEnd", "reason": "exit"}))
+        assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
+        (text,) = await found()
+        assert text.startswith("shell_command `") and NO_RESULT in text

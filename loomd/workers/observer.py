@@ -59,8 +59,12 @@ def distil(events: list[SourceEvent], context: list[SourceEvent], final: bool,
     entities each of those texts mentions (`derive` links them without extracting them again on the loop)."""
     if observations is None:
         observations = observe(events, context, final=final)
+    steps = to_steps([*context, *events], ended=final)
+    # A call the session ended on is written once its end is known, even when an earlier chunk held it (the same
+    # passage written again only bumps its row).
+    new = {e.id for e in events} | {step.ids[0] for step in steps if step.unanswered}
     evidence = [replace(item, text=redact_text(item.text), context=redact_text(item.context))
-                for item in evidence_of(to_steps([*context, *events]), {e.id for e in events})]
+                for item in evidence_of(steps, new)]
     texts = [o.text for o in observations] + [e.text for e in evidence]
     return observations, evidence, {text: mentioned(text) for text in texts}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loomd.ingest.reading import SHELL_TOOLS, failed_output, response_text, shell_command
@@ -76,41 +76,42 @@ class Step:
     rejected: bool = False
     final: bool = False  # an assistant message known to end its turn (Stop hook)
     call: str = ""  # a tool run's tool_use_id: its hook and transcript copies share it
+    unanswered: bool = False  # a call the session ended on, with no result (`to_steps(ended=True)`)
 
 
 _REJECTED = re.compile(r"The user doesn't want to (?:proceed with this tool use|take this action)|"
                        r"\[Request interrupted by user|tool use was rejected", re.IGNORECASE)
 
 
-def to_steps(events: Sequence[SourceEvent]) -> list[Step]:
-    """Pair calls with results, merge hook and transcript copies, and drop what carries no meaning."""
+NO_RESULT = "(no result recorded)"  # a call the session ended on: the transcript holds no result for it
+
+
+def to_steps(events: Sequence[SourceEvent], ended: bool = False) -> list[Step]:
+    """Pair calls with results, merge hook and transcript copies, and drop what carries no meaning.
+
+    `ended` (the session ended or went quiet): a call still without its result is a step of its own, with
+    `NO_RESULT` — the command a session ended on (an export, a deploy) is often what a later agent asks about.
+    Before that, the result may still come, and the call waits for it."""
     uses: dict[str, SourceEvent] = {}
     steps: list[Step] = []
     seen_text: dict[str, Step] = {}
     for ev in sorted(events, key=lambda e: e.id):
         p, kind = ev.payload, ev.kind
-        if kind == "tool_use":
+        if kind in ("tool_use", "PreToolUse"):
             if ev.tool_use_id:
                 uses[ev.tool_use_id] = ev
             continue
         if kind in ("tool_result", "PostToolUse", "PostToolUseFailure"):
+            use = uses.pop(ev.tool_use_id or "", None)
             if kind == "tool_result":
-                use = uses.pop(ev.tool_use_id or "", None)
                 if use is None:
                     continue  # a result whose call we never saw: nothing to say about it
-                tool, tool_input = use.tool_name or "", use.payload.get("tool_input") or {}
-                output, flagged = str(p.get("text") or ""), bool(p.get("is_error"))
-                ids = [use.id, ev.id]
-            else:
-                tool, tool_input = ev.tool_name or str(p.get("tool_name") or ""), p.get("tool_input") or {}
+                steps.append(_run(ev, use.tool_name or "", use.payload.get("tool_input"), str(p.get("text") or ""),
+                                  bool(p.get("is_error")), [use.id, ev.id]))
+            else:  # the hook's copy carries the call's input itself
                 output, flagged = response_text(p.get("tool_response") or p.get("error"))
-                flagged = flagged or kind == "PostToolUseFailure"
-                ids = [ev.id]
-            tool_input = tool_input if isinstance(tool_input, dict) else {}
-            command = shell_command(tool_input) if tool in SHELL_TOOLS or "cmd" in tool_input else ""
-            steps.append(Step("run", output, ev.ts, ids, ev.lane, tool, tool_input, command,
-                              failed=failed_output(output, flagged), rejected=bool(_REJECTED.search(output[:400])),
-                              call=ev.tool_use_id or ""))
+                steps.append(_run(ev, ev.tool_name or str(p.get("tool_name") or ""), p.get("tool_input"), output,
+                                  flagged or kind == "PostToolUseFailure", [ev.id]))
             continue
         text, role, final = "", "", False
         if kind in ("user_message", "UserPromptSubmit"):
@@ -139,4 +140,18 @@ def to_steps(events: Sequence[SourceEvent]) -> list[Step]:
         step = Step(role, text, ev.ts, [ev.id], ev.lane, final=final)
         seen_text[digest] = step
         steps.append(step)
+    if ended:
+        for use in uses.values():
+            at = next((i for i, step in enumerate(steps) if max(step.ids) > use.id), len(steps))
+            step = _run(use, use.tool_name or "", use.payload.get("tool_input"), NO_RESULT, False, [use.id])
+            steps.insert(at, replace(step, unanswered=True))
     return steps
+
+
+def _run(ev: SourceEvent, tool: str, tool_input: Any, output: str, flagged: bool, ids: list[int]) -> Step:
+    """A tool run's step: the call's input, what it returned, whether it failed or the user rejected it."""
+    tool_input = tool_input if isinstance(tool_input, dict) else {}
+    command = shell_command(tool_input) if tool in SHELL_TOOLS or "cmd" in tool_input else ""
+    return Step("run", output, ev.ts, ids, ev.lane, tool, tool_input, command,
+                failed=failed_output(output, flagged), rejected=bool(_REJECTED.search(output[:400])),
+                call=ev.tool_use_id or "")
