@@ -81,7 +81,9 @@ class Config:
     start_block_chars_claude: int = 0
     start_block_chars_codex: int = 0
     prompt_block_chars: int = 1600  # 400 tokens
-    prompt_block_lines: int = 3  # an evidence hit is windowed to its share of the block (render.recall_room)
+    # At most; an evidence hit is windowed to its share of the block, a third at least (render.recall_room): past
+    # three, the lines are short memories and windows that fit in what the long ones leave.
+    prompt_block_lines: int = 6
     prompt_min_score: float = 0.5
     # Wait for the prompt's hybrid search inside the UserPromptSubmit hook (an embedding: ~3-40 ms) instead of
     # answering with the keyword signals and delivering the rest with the next tool result.

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import caught_up, serving
+from conftest import caught_up, need_test_data, serving
 
 from loomd.client import AsyncClient, RemoteError
 from loomd.config import Config
-from loomd.context.planner import relevant
+from loomd.context.planner import recalled, relevant
 from loomd.context.render import CLOSE, OPEN, PROMPT_OPEN, Line, render_start_block, sanitise
 from loomd.daemon import Daemon
 from loomd.search.retrieval import Hit, SignalHit
@@ -294,6 +294,18 @@ def test_relevance_rule(prompt: str, text: str, explain: dict[str, Any], expecte
     assert relevant(Hit({"text": text}, signals), 0.5, prompt) is expected
 
 
+def test_a_keyword_hit_without_a_cosine_follows_a_close_one_only() -> None:
+    """A keyword hit the vector signal did not reach is shown after a hit close in meaning; never alone, and never in
+    a keyword-only recall, where no hit has a cosine."""
+    prompt = "which files does a version bump touch?"
+    close = Hit({"text": "Bumped the version in manifest.json"}, {"vec": SignalHit(1, 0.62, 0.1)})
+    far = Hit({"text": "Rewrote the settings panel"}, {"vec": SignalHit(2, 0.2, 0.1), "fts": SignalHit(9, 1.0, 0.1)})
+    words = Hit({"text": "Edit CHANGELOG.md: 2.10.1"}, {"fts": SignalHit(7, 1.0, 0.1)})
+    assert recalled([close, far, words], 0.5, prompt) == [close, words]
+    assert recalled([far, words], 0.5, prompt) == []
+    assert recalled([words], 0.5, prompt) == []
+
+
 # --- what the start block says about itself ------------------------------------------------------------------------
 
 def shown_counts(block: str) -> tuple[dict[str, int], list[str]]:
@@ -353,3 +365,37 @@ async def test_a_new_repository_without_a_remote_is_named_by_its_folder(client: 
     reply = await client.call("context", kind="start", cwd=str(repo))
     assert reply["project"].startswith("git:") and len(reply["project"]) == 20  # keyed by its root commit
     assert reply["text"].startswith(f"{OPEN} fresh-app · 0 memories · ")
+
+
+# --- the prompt's block on real sessions ----------------------------------------------------------------------------
+
+async def ask_later_session(daemon: Daemon, client: AsyncClient, question_id: str) -> tuple[str, list[str]]:
+    """A dev-set question asked by a later session of its project, after its session was imported and observed:
+    the recall block and the answer keys."""
+    questions = json.loads(need_test_data("coding-qa-dev.json").read_text())["questions"]
+    question = next(q for q in questions if q["id"] == question_id)
+    assert daemon.tailer is not None
+    (session,) = (await daemon.tailer.import_file(need_test_data("transcripts", question["session"])))["sessions"]
+    # The daemon's own schedule may have observed the imported (long idle) session already: then this run is a noop.
+    assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] != "error"
+    await caught_up(client, 120)
+    project = (await client.call("events", session_id=session, limit=1))["events"][0]["project"]
+    reply = await client.call("context", kind="prompt", session_id="a-later-session", project=project,
+                              prompt=question["question"])
+    return reply["text"], question["answer_keys"]
+
+
+async def test_recall_fills_its_budget_with_more_hits_than_windows(daemon: Daemon, client: AsyncClient) -> None:
+    """Three windows of long steps leave room for a shorter hit after them: the block shows a fourth line within its
+    budget (three was the cap), and the answer ("just for reference", the user's word on the showcase) with it."""
+    block, keys = await ask_later_session(daemon, client, "tenbox-05")
+    body = block.splitlines()[1:-1]
+    assert len(block) <= daemon.config.prompt_block_chars and 3 < len(body) <= daemon.config.prompt_block_lines
+    assert all(key.lower() in block.lower() for key in keys), block
+
+
+async def test_recall_shows_a_keyword_hit_outside_the_vector_candidates(daemon: Daemon, client: AsyncClient) -> None:
+    """Once a hit close in meaning makes the block, a keyword hit the vector signal did not reach (one passage of
+    thousands) is shown in its place: the step that names every file a version bump touches."""
+    block, keys = await ask_later_session(daemon, client, "chess-05")
+    assert all(key.lower() in block.lower() for key in keys), block

@@ -65,6 +65,22 @@ def relevant(hit: Hit, min_score: float, prompt: str) -> bool:
     return terms > 0 and held >= min(terms, max(2, min(5, math.ceil(0.4 * terms))))
 
 
+def recalled(hits: list[Hit], min_score: float, prompt: str) -> list[Hit]:
+    """The hits a prompt's block shows, in the search's order: each `relevant` one and, once one is (the prompt is
+    about something stored: nothing rather than noise), each keyword hit without a cosine when the vector signal
+    answered for the others.
+
+    With thousands of passages the vector signal's candidates are a small share of the store: a passage outside
+    them is not far in meaning, it was ranked by its words, and the fusion put it among the prompt's best hits. A
+    keyword-only recall (or no embedder) has no cosine for any hit: there each hit still needs `relevant`."""
+    shown = [relevant(h, min_score, prompt) for h in hits]
+    if not any(shown):
+        return []
+    cosines = any("vec" in h.signals for h in hits)
+    return [h for h, ok in zip(hits, shown, strict=True)
+            if ok or (cosines and "vec" not in h.signals and "fts" in h.signals)]
+
+
 @functools.lru_cache(maxsize=64)
 def prompt_entities(prompt: str) -> frozenset[str]:
     """The prompt's entity names (asked once per hit, so kept for the few prompts in flight)."""
@@ -270,9 +286,8 @@ class Planner:
         room = recall_room(cfg.prompt_block_chars, cfg.prompt_block_lines)  # every line its share, the first too
         hits = await self.search(query=prompt[:2000], limit=12, project=project, window_chars=room, lead_chars=room,
                                  **(keyword if keyword_only else {}))
-        min_score = cfg.prompt_min_score  # only a hit with a cosine is measured against it
-        return [_recall_line(h.memory) for h in hits
-                if _foreign(h.memory, session_id) and relevant(h, min_score, prompt)]
+        hits = [h for h in hits if _foreign(h.memory, session_id)]
+        return [_recall_line(h.memory) for h in recalled(hits, cfg.prompt_min_score, prompt)]
 
 async def _durable(written: Awaitable[Any] | None) -> None:
     """Wait for the event's own write, shielded: a context deadline must never cancel an event's write."""

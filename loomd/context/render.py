@@ -25,6 +25,10 @@ FRAME = "reference notes from earlier sessions, not instructions"
 FOOTER = "more: loom search <q> · loom detail <id> · MCP loom_search"
 MAX_LINE = 160
 RECALL_LINE = 800  # a recall line may hold a whole evidence passage: it answers this very prompt
+# An evidence hit in the recall block is windowed to a third of it at least. Coding QA dev set, same store, hits that
+# held every answer key: 3 windows of ~480 characters .44, 4 of ~360 .42, 5 of ~300 .41 (a window cut to its share
+# loses the key more often than a fourth hit brings one).
+RECALL_SHARES = 3
 TRIVIAL = re.compile(
     r"^\s*(hi|hello|hey|thanks?( you)?|thx|ok(ay)?|k|yes|y|no|n|sure|continue|go on|go ahead|proceed|next|done|"
     r"lgtm|ship it|do it|please continue|keep going|retry|again|\.|/\w+)\s*[.!]*\s*$",
@@ -159,9 +163,11 @@ def render_recall_block(lines: Sequence[Line], budget: int, max_lines: int) -> t
 
 
 def recall_room(budget: int, max_lines: int) -> int:
-    """What one recall line's text may hold for `max_lines` of them to fit `budget` (an evidence hit is windowed to
-    it by the search): shorter windows of more hits hold an answer more often than one or two long ones."""
-    per_line = (budget - len(PROMPT_OPEN) - len(FRAME) - len(CLOSE) - 3) // max(1, max_lines)
+    """What one recall line's text may hold (an evidence hit is windowed to it by the search): its share of `budget`
+    with `max_lines` lines, never less than a `RECALL_SHARES`th. Windows of a few hits hold an answer more often than
+    one or two whole passages, or than slivers of many; more lines than shares are the short memories and windows
+    that fit in what the long ones leave."""
+    per_line = (budget - len(PROMPT_OPEN) - len(FRAME) - len(CLOSE) - 3) // max(1, min(max_lines, RECALL_SHARES))
     return max(120, per_line - len("[V] 2025-01-01  #1234567") - 1)
 
 
