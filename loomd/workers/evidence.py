@@ -76,6 +76,9 @@ def tool_input_text(step: Step) -> str:
 VIEW_TOOLS = frozenset({"Read", "Grep", "Glob", "LS", "NotebookRead", "read_file", "list_dir", "list_files",
                         "view", "view_file", "search_files", "grep_search", "file_search"})
 
+# Tools that only load other tools' definitions (Claude Code's deferred tools): nothing about the project.
+LOADER_TOOLS = frozenset({"ToolSearch"})
+
 
 # An assistant message that only announces what comes next ("Now let me check the logs:").
 _ANNOUNCEMENT = re.compile(
@@ -88,7 +91,8 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 def is_aside(step: Step) -> bool:
     """Does this step say nothing of its own? A tool call that only showed or listed files (Read, Grep, `cat`,
-    `sed -n`, `rg`, `ls` …: a copy of the repository, long and rich in every term of a question), or an assistant
+    `sed -n`, `rg`, `ls` …: a copy of the repository, long and rich in every term of a question) or loaded tools
+    (`LOADER_TOOLS`: the names of the tools it loaded), or an assistant
     message that only announces what it will do next. Their passages rank below what the session found, said and
     did (`search.retrieval`, tuning `aside_prior`)."""
     if step.role == "assistant":
@@ -98,7 +102,7 @@ def is_aside(step: Step) -> bool:
                 and len(_SENTENCE_END.split(text)) <= 2)
     if step.role != "run":
         return False
-    return only_views_files(step.command) if step.command else step.tool in VIEW_TOOLS
+    return only_views_files(step.command) if step.command else step.tool in VIEW_TOOLS | LOADER_TOOLS
 
 
 def header(step: Step) -> str:
