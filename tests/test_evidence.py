@@ -68,9 +68,9 @@ def test_a_tool_run_is_its_input_and_its_result_and_a_call_seen_twice_counts_onc
 
 def test_what_a_step_only_viewed_and_whose_words_a_subagent_prompt_holds() -> None:
     """A passage says where it came from: a subagent's prompt is its parent agent's brief, never "User:"; a step
-    that only showed or listed files (Read, `sed -n`, `rg`, `ls`) or a message that only announces the next step is
-    an aside, which search ranks below what the session said and did (`aside_prior`); a step that also changed
-    something, or a message that reports, is not."""
+    that only showed or listed files (Read, `sed -n`, `rg`, `ls`) or loaded tools (ToolSearch), or a message that
+    only announces the next step is an aside, which search ranks below what the session said and did
+    (`aside_prior`); a step that also changed something, or a message that reports, is not."""
     brief = Step("user", "You are a Go expert tasked with cleaning up unused code.", 1.0, [1], lane="agent-1")
     user = Step("user", "also use tdd and serena and the mcp tools", 2.0, [2])
     read = Step("run", "package main\nfunc main() {}", 3.0, [3], tool="Read", tool_input={"file_path": "main.go"})
@@ -79,10 +79,12 @@ def test_what_a_step_only_viewed_and_whose_words_a_subagent_prompt_holds() -> No
     announce = Step("assistant", "Perfect! Now let me check the remaining lint warnings:", 6.0, [6])
     report = Step("assistant", "Let me summarise: the lint warnings came from generated files; all 12 are fixed.",
                   7.0, [7])
-    found = {e.sources[0]: e for e in evidence_of([brief, user, read, cat, edit, announce, report],
-                                                  {1, 2, 3, 4, 5, 6, 7})}
+    loader = Step("run", "[tool_reference: WebFetch]", 8.0, [8], tool="ToolSearch",
+                  tool_input={"query": "select:WebFetch"})  # Claude Code loading a deferred tool
+    found = {e.sources[0]: e for e in evidence_of([brief, user, read, cat, edit, announce, report, loader],
+                                                  {1, 2, 3, 4, 5, 6, 7, 8})}
     assert found[1].head == "Subagent task:" and found[2].head == "User:"
-    assert [i for i, e in sorted(found.items()) if e.meta().get("aside")] == [3, 4, 6]
+    assert [i for i, e in sorted(found.items()) if e.meta().get("aside")] == [3, 4, 6, 8]
 
 
 def _deep_line(path: Path) -> str:
@@ -316,6 +318,27 @@ async def test_an_observation_shows_the_lines_of_its_step_that_match(client: Asy
     assert clip["kind"] == "observation" and clip["collapsed"], results  # the report's passage took no slot
     assert "ops/keys/release.asc" in clip["text"] and "module 3 " not in clip["text"], clip["text"]
     assert len(clip["text"]) <= LEAD_CHARS
+
+
+def _edit(path: str, old: str, new: str) -> dict[str, Any]:
+    return {"hook_event_name": "PostToolUse", "tool_name": "Edit",
+            "tool_input": {"file_path": path, "old_string": old, "new_string": new},
+            "tool_response": {"filePath": path, "oldString": old, "newString": new}}
+
+
+async def test_an_observation_of_two_edits_shows_the_lines_of_both(client: AsyncClient) -> None:
+    """"Edited a, b" clips the first change only; the second file's change is as often the answer, and it is shown
+    too while the hit has room (a real session bumped Node in .travis.yml, then pinned it in .nvmrc)."""
+    project = await _session(client, "clip-2", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "bump node to 24 in CI and pin it locally"},
+        _edit("/repo/.travis.yml", 'node_js:\n  - "20"\n  - "18"', 'node_js:\n  - "24"\n  - "22"'),
+        _edit("/repo/.nvmrc", "v18.18.2", "v24.17.0"),
+        _said("CI now tests Node 24 and 22, and .nvmrc pins v24.17.0."),
+    ])
+    query = "which node versions does travis test, and what does nvmrc pin"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=5))["results"]
+    (clip,) = [r for r in results if r["kind"] == "observation" and r["text"].startswith("Edited /repo/.travis.yml")]
+    assert '"24"' in clip["text"] and "v24.17.0" in clip["text"], clip["text"]
 
 
 async def test_an_observation_that_repeats_a_hit_above_it_takes_no_slot(client: AsyncClient) -> None:
