@@ -200,6 +200,19 @@ async def test_what_a_hook_only_session_read_is_evidence(client: AsyncClient) ->
     assert any(line in r["text"] for r in found["results"]), [r["text"][:120] for r in found["results"]]
 
 
+def test_a_window_shows_the_sentence_of_a_paragraph_that_answers() -> None:
+    """Prose comes as paragraphs of one line each: the sentence that answers is shown without the paragraph around
+    it, on its own line of the window, not the paragraph cut at the window's end."""
+    answer = "My recommendation: build EdgeRunner first, and execute against Pascal."
+    paragraph = " ".join(f"Option {i} was weighed against the latency budget and the team's experience with it."
+                         for i in range(8)) + " " + answer
+    lines = ["**Shortlist**", "1. EdgeRunner: an engine that watches the odds feed and orders when the edge holds.",
+             paragraph, "2. Circuit-0: a risk layer for the same feed."]
+    shown = best_windows("Assistant:", lines, lambda line: {t for t in ("recommendation", "Pascal", "execute")
+                                                            if t in line}, 360)
+    assert answer in shown and "Option 0 " not in shown and len(shown) <= 360, shown
+
+
 def test_a_commands_window_always_shows_its_outcome() -> None:
     """The last line of a command's output is what it came to ("Found 38 errors in 5 files"): shown whatever the
     query matched above it; a message's last line is not."""

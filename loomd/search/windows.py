@@ -22,6 +22,8 @@ LEAD_CHARS = 2 * WINDOW_CHARS
 GAP = "…"
 # An evidence header that names a command (`workers/evidence.py`'s `header`: "Bash `pytest -x`:").
 COMMAND_HEAD = re.compile(r"^\S+ `.+`:$")
+LONG_LINE = 400  # a line longer than this (a paragraph) is weighed sentence by sentence (coding QA: 240-600 alike)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=\S)")
 RUN_SHARE = 0.8  # of a window's room, for its one run of lines; the rest for lines holding terms the run missed
 
 
@@ -40,25 +42,34 @@ def merge_passages(head: str, texts: Sequence[str]) -> list[str]:
 def best_windows(head: str, lines: Sequence[str], holds: Callable[[str], Collection[str]],
                  budget: int = WINDOW_CHARS) -> str:
     """The window for `head`'s step (`window_lines`); a command's last line is its outcome ("Found 38 errors in 5
-    files", "76 passed, 2 failed") and is always shown."""
-    outcome = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].strip()), None) \
+    files", "76 passed, 2 failed") and is always shown. A long line (a paragraph of prose) is weighed sentence by
+    sentence: the one that answers can be shown without the paragraph around it."""
+    units: list[str] = []
+    joins: list[bool] = []  # does the unit go on the line of the one before it
+    for line in lines:
+        parts = _SENTENCE_END.split(line) if len(line) > LONG_LINE else [line]
+        units += parts
+        joins += [False] + [True] * (len(parts) - 1)
+    outcome = next((i for i in range(len(units) - 1, -1, -1) if units[i].strip() and not joins[i]), None) \
         if COMMAND_HEAD.match(head) else None
-    return window_lines(head, lines, holds, budget, outcome)
+    return window_lines(head, units, holds, budget, outcome, joins)
 
 
 def window_lines(head: str, lines: Sequence[str], holds: Callable[[str], Collection[str]], budget: int,
-                 outcome: int | None = None) -> str:
+                 outcome: int | None = None, joins: Sequence[bool] = ()) -> str:
     """`head` and a window of the step's lines within `budget` characters; `…` marks what was left out.
 
     Most of the room goes to one run of lines: the one that, starting a line before a line that holds query terms
     (`holds(line)` names them), covers the most distinct terms — an answer follows the line that names its subject
     (an error and then "fixed by", a heading and then its bullets, a command and then its output). What room is
     left takes the lines holding terms the run missed (a checker named far below the command), then the run goes on.
-    `outcome`, a line always shown (cut to a quarter of the room if the window did not reach it).
+    `outcome`, a line always shown (cut to a quarter of the room if the window did not reach it). `joins[i]`: line
+    `i` goes on the line before it (a sentence of a paragraph), after a space rather than a newline.
     """
     room = budget - len(head) - 1
+    glue = [" " if i < len(joins) and joins[i] else "\n" for i in range(len(lines))]
     if sum(len(line) + 1 for line in lines) <= room:
-        return f"{head} " + "\n".join(lines)
+        return f"{head} " + "".join(glue[i] + line if i else line for i, line in enumerate(lines))
     held = [frozenset(holds(line)) for line in lines]
 
     def cost(i: int) -> int:
@@ -99,16 +110,18 @@ def window_lines(head: str, lines: Sequence[str], holds: Callable[[str], Collect
     added = outcome if outcome is not None and outcome not in chosen else None
     if added is not None:
         chosen.add(added)
-    out: list[str] = []
+    out = ""
     previous = -1
     for i in sorted(chosen):
+        text = lines[i][:short] if i == added else lines[i][:room]
         if previous >= 0 and i != previous + 1 or previous < 0 and i > 0:
-            out.append(GAP)
-        out.append(lines[i][:short] if i == added else lines[i][:room])
+            out += ("\n" if out else "") + GAP + "\n" + text
+        else:
+            out += (glue[i] if out else "") + text
         previous = i
     if previous < len(lines) - 1:
-        out.append(GAP)
-    return f"{head} " + "\n".join(out)
+        out += "\n" + GAP
+    return f"{head} {out}"
 
 
 def passage_head(meta: Any) -> str | None:
