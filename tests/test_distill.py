@@ -109,6 +109,18 @@ def test_a_failure_and_its_fix_become_a_pitfall_with_the_reason() -> None:
     assert ("procedure", "Tests pass: `(source .venv/bin/activate && pytest)`") in got
 
 
+def test_a_run_piped_through_tail_keeps_its_summary_and_one_through_head_does_not() -> None:
+    """`| tail -n` keeps the end of the output, where the runner's summary is: the run proves the tests pass (a real
+    session ran its suite only this way). `| head` and `| grep` cut it: such a run proves nothing."""
+    s = Session()
+    s.run("PYTHONPATH=src python3 -m pytest tests/ -v 2>&1 | tail -20",
+          "tests/test_store.py::test_roundtrip PASSED\n============ 78 passed in 0.41s ============")
+    s.run("python3 -m pytest tests/ -v | head -3", "tests/test_a.py::test_one PASSED")
+    got = s.observe()
+    assert [t for k, t in got if k == "procedure"] == [
+        "Tests pass: `PYTHONPATH=src python3 -m pytest tests/ -v 2>&1 | tail -20`"]
+
+
 def test_tests_going_green_and_commits_from_hook_payloads() -> None:
     s = Session()
     s.hook_run("npm test", "Tests  1 failed | 28 passed (29)", exit_code=1)

@@ -431,7 +431,9 @@ class RuleObserver:
         for head, failure in list(lane.failures.items()):
             if failure is fixed or lane.runs - failure.at > 12:
                 del lane.failures[head]
-        filtered = bool(re.search(r"\|\s*(?:grep|rg|head|tail)\b", command))
+        # Output cut by a pipe proves nothing about the run — but a `| tail -n` keeps the end, where a runner's
+        # summary and a command's outcome are (agents pipe long test output through it).
+        filtered = bool(re.search(r"\|\s*(?:grep|rg|head)\b", command))
         summary = test_summary(step.text) if is_test and not filtered else ""
         if fixed is not None and not plumbing:
             if is_test and filtered:
