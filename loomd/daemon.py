@@ -160,6 +160,8 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"cannot create {paths.spool}: {exc.strerror or exc}") from None
         self.history = HistoryImporter(self.store, self.tailer, idle_s=self.config.import_idle_s)
+        # An import first: its memories are embedded and its sessions observed after it.
+        self.vectors.hold = self.scheduler.hold = lambda: self.history.active
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,
@@ -311,6 +313,7 @@ class Daemon:
             "inflight": len(self.server.inflight) if self.server else 0,
             "embedder": self.vectors.status(), "tailer": tailer,
             "offload": {**self.offload.status(), "import_parsers": self.history.pool.status()},
+            "import": {"running": self.history.active, "files_in_flight": self.history.in_flight},
         }
 
 

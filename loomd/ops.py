@@ -96,7 +96,7 @@ class Ops:
             "queue_depth": self.s.writer.depth, "inflight": run["inflight"],
             "embedder": run["embedder"], "versions": await self.s.store.versions(),
             "tailer": run["tailer"], "tailers": run["tailer"], "spool": run["spool"], "tasks": run["tasks"],
-            "storage": self._storage(db), "offload": run["offload"],
+            "storage": self._storage(db), "offload": run["offload"], "import": run["import"],
             "shared": await self.s.sync.status() if self.s.sync is not None else {"configured": False},
         }
 

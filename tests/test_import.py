@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 from conftest import REPO, DaemonProcess, need_test_data, query, serving
 
-from loomd.client import AsyncClient, RemoteError
+from loomd.client import AsyncClient, Client, RemoteError
 from loomd.daemon import Daemon
 
 CLI = "import sys; from loomd.cli import main; sys.argv[0] = 'loom'; main()"
@@ -353,6 +353,45 @@ def test_a_hook_during_an_import_is_acknowledged(tmp_path: Path, home: Path) -> 
         assert len(spooled) <= 1 and all("UserPromptSubmit" in line for line in spooled), spooled
         rows = sorted(query(home, "SELECT source, kind FROM events WHERE session_id = ?", (sid,)))
         assert rows == [("hook", "PostToolUse"), ("hook", "UserPromptSubmit")]
+    finally:
+        daemon.stop()
+
+
+def test_the_back_fill_and_the_workers_wait_for_an_import(tmp_path: Path, home: Path) -> None:
+    """While `loom import` runs, the embedding back-fill and the scheduled workers wait (`status` says so) and no
+    scheduled worker run starts, though they are due every second; once it is done both resume: vectors are added,
+    the imported sessions are observed."""
+    history = make_history(tmp_path / "h", copies=2)
+    daemon = DaemonProcess(home, {"LOOMD_CODEX_HOME": str(tmp_path / "no-codex"), "LOOMD_WORKER_INTERVAL_S": "1",
+                                  "LOOMD_OBSERVE_IDLE_S": "1"}).start()
+    try:
+        with Client(daemon.sock, timeout=60) as c:
+            deadline = time.monotonic() + 120
+            while c.call("status")["embedder"]["state"] == "loading":
+                assert time.monotonic() < deadline, "the embedder did not load"
+                time.sleep(0.1)
+            proc = import_under_way(home, history, "the import ended before its first events were seen")
+            began = time.time()
+            during = c.call("status")
+            out, err = proc.communicate(timeout=300)
+            ended = time.time()
+            assert proc.returncode == 0 and json.loads(out)["stored"] > 0, err
+            # Within ACTIVE_GRACE_S of its last file an import still counts as running, so this holds even if it
+            # was already done.
+            assert during["import"]["running"] and during["embedder"]["held"], during
+            started = query(home, "SELECT worker, trigger FROM jobs WHERE started BETWEEN ? AND ?", (began, ended))
+            assert started == [], started
+            after = c.call("status")
+            deadline = time.monotonic() + 120
+            while True:  # both resume: the back-fill embeds again, the observer reads the imported sessions
+                status = c.call("status")
+                observed = query(home, "SELECT count(*) FROM jobs WHERE worker = 'observer' AND started > ?"
+                                 " AND items_in > 0", (ended,))[0][0]
+                if status["embedder"]["vectors"] > after["embedder"]["vectors"] and observed:
+                    break
+                assert time.monotonic() < deadline, f"no catch-up after the import: {status['embedder']}, {observed}"
+                time.sleep(0.2)
+            assert not status["import"]["running"] and not status["embedder"]["held"]
     finally:
         daemon.stop()
 

@@ -219,21 +219,30 @@ def evaluate(run: ToolRun | None, prompt: str | None, state: SessionMemory) -> l
 
 # --- wiring into ingest -------------------------------------------------------------------------------------------
 
-async def tool_run(db: aiosqlite.Connection, event: Event) -> ToolRun | None:
-    """A finished tool call from a PostToolUse hook or a transcript tool_result (its input looked up)."""
+async def tool_run(db: aiosqlite.Connection, event: Event,
+                   stored: dict[tuple[str, str], Event] | None = None) -> ToolRun | None:
+    """A finished tool call from a PostToolUse hook or a transcript tool_result (its input looked up: among
+    `stored`, the events this transaction stored by (session, dedup), else in the table)."""
     p = event.payload
     if event.kind in ("PostToolUse", "PostToolUseFailure"):
         tool, tool_input = str(p.get("tool_name") or ""), p.get("tool_input")
         output, flagged = response_text(p.get("tool_response") or p.get("error"))
         flagged = flagged or event.kind == "PostToolUseFailure"
     elif event.kind == "tool_result" and event.tool_use_id:
-        async with db.execute("SELECT payload, tool_name FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
-                              (event.session_id, f"tu:{event.tool_use_id}")) as cur:
-            row = await cur.fetchone()
-        if row is None:
-            return None
-        use = json.loads(row[0])
-        tool, tool_input = str(row[1] or use.get("tool_name") or ""), use.get("tool_input")
+        dedup = f"tu:{event.tool_use_id}"
+        # A session holds one row per tool-call dedup (`is_copy`), so the one stored now is the row the query finds;
+        # an import's tool call is nearly always in its result's batch, and the query costs a trip to the writer's
+        # thread and a JSON parse.
+        if (found := (stored or {}).get((event.session_id, dedup))) is not None:
+            use, use_tool = found.payload, found.tool_name
+        else:
+            async with db.execute("SELECT payload, tool_name FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
+                                  (event.session_id, dedup)) as cur:
+                row = await cur.fetchone()
+            if row is None:
+                return None
+            use, use_tool = json.loads(row[0]), row[1]
+        tool, tool_input = str(use_tool or use.get("tool_name") or ""), use.get("tool_input")
         output, flagged = str(p.get("text") or ""), bool(p.get("is_error"))
     else:
         return None
@@ -270,12 +279,16 @@ class Capturer:
 
     async def __call__(self, db: aiosqlite.Connection, events: Sequence[Event]) -> None:
         cfg = self.config() if self.config is not None else None
+        settings: dict[str, tuple[Config | None, frozenset[str]]] = {}  # per project, read once per batch
+        stored = {(e.session_id, e.dedup): e for e in events if e.dedup and e.dedup.startswith("tu:")}
         for event in events:
-            own = cfg.for_project(event.project) if cfg is not None else None  # `[project."<key>"]` over the rest
+            if (setting := settings.get(event.project)) is None:
+                own = cfg.for_project(event.project) if cfg is not None else None  # `[project."<key>"]` first
+                setting = settings[event.project] = (own, own.kinds_off() if own is not None else frozenset())
+            own, off = setting
             if own is not None and not own.auto_capture:
                 continue
-            off = own.kinds_off() if own is not None else frozenset()
-            run = await tool_run(db, event)
+            run = await tool_run(db, event, stored)
             prompt = prompt_text(event)
             if run is None and prompt is None:
                 continue

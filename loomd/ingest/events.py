@@ -10,6 +10,7 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from loomd.errors import BadRequest
@@ -54,9 +55,24 @@ class Event:
             if isinstance(value, str) and not value.isascii():
                 setattr(self, name, without_surrogates(value))
 
-    @property
+    # Both read the payload, which is final once the event exists (redacted and cut where it was parsed). Cached:
+    # the commit and the scheduler's listener both want `tokens`; and `loom import`'s parser processes compute both
+    # (`precompute`), so the daemon's commit neither walks nor serialises the payload again.
+    @cached_property
     def tokens(self) -> int:
         return max(1, len(event_text(self)) // 4)
+
+    @cached_property
+    def payload_json(self) -> str:
+        """The payload as the `events` row stores it."""
+        return json.dumps(self.payload, ensure_ascii=False)
+
+
+def precompute(events: Iterable[Event]) -> None:
+    """Fill each event's cached `tokens` and `payload_json` here (a parser process), where the CPU is not the
+    event loop's: the values travel with the pickled event."""
+    for event in events:
+        _ = (event.tokens, event.payload_json)  # a cached_property keeps what its first read computed
 
 
 MAX_DEPTH = 64  # deeper JSON is cut with a marker: every later walk (redaction, capture) then stays bounded

@@ -43,6 +43,8 @@ SOURCES: tuple[Agent, ...] = ("claude", "codex")
 HEAD_LINES = 50  # where a session states its folder, id and start
 TAIL_BYTES = 64 << 10  # where it states its end
 CHECKPOINT = "import:"
+# After its last file, an import still counts as running this long: the CLI's next file follows at once.
+ACTIVE_GRACE_S = 2.0
 # Child processes that parse history files: a core is left to the daemon's writes (and each holds ~55 MB while an
 # import runs), up to 4.
 PARSERS = max(1, min(4, (os.cpu_count() or 1) - 1))
@@ -297,6 +299,13 @@ class HistoryImporter:
         self.store = store
         self.tailer = tailer
         self.pool = ParserPool(parsers, idle_s)
+        self.in_flight = 0  # files being imported now
+        self._last_done = -ACTIVE_GRACE_S
+
+    @property
+    def active(self) -> bool:
+        """Whether an import runs (a file in flight, or one finished a moment ago): the back-fill waits for it."""
+        return self.in_flight > 0 or time.monotonic() - self._last_done < ACTIVE_GRACE_S
 
     async def close(self) -> None:
         await self.pool.shutdown()
@@ -359,8 +368,13 @@ class HistoryImporter:
         started = time.monotonic()
         # Recorded as of the stat before reading: a file that grew meanwhile is read again next time.
         limit = self.tailer.config.max_tool_output_chars
-        result = await self.tailer.import_file(p, also=_recorder(str(p), _fingerprint(st)),
-                                               parse=lambda path: self.pool.parse(path, limit))
+        self.in_flight += 1
+        try:
+            result = await self.tailer.import_file(p, also=_recorder(str(p), _fingerprint(st)),
+                                                   parse=lambda path: self.pool.parse(path, limit))
+        finally:
+            self.in_flight -= 1
+            self._last_done = time.monotonic()
         return {**result, "skipped": False, "seconds": round(time.monotonic() - started, 3)}
 
 

@@ -39,7 +39,7 @@ import watchfiles
 
 from loomd.config import Config
 from loomd.errors import BadRequest, Busy, LoomdError, NotFound
-from loomd.ingest.events import Event, clean_strings, prompt_dedup
+from loomd.ingest.events import Event, clean_strings, precompute, prompt_dedup
 from loomd.ingest.transcript import (
     CodexState,
     Format,
@@ -733,5 +733,7 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
     fallback = session_id or next((i.session_id for i in items if i.session_id), "") or p.stem
     subagent = p.stem.removeprefix("agent-") if p.name.startswith("agent-") and fmt == "claude" else None
     meta = read_subagent_meta(p) if subagent else {}
-    return fmt, [to_event(i, session_id=session_id or i.session_id or fallback, cwd=cwd, max_chars=limit,
-                          subagent=subagent, meta=meta) for i in items]
+    events = [to_event(i, session_id=session_id or i.session_id or fallback, cwd=cwd, max_chars=limit,
+                       subagent=subagent, meta=meta) for i in items]
+    precompute(events)
+    return fmt, events

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import sqlite3
 import time
@@ -192,12 +191,11 @@ def insert_events(conn: sqlite3.Connection, events: Sequence[Event], now: float)
         event.stored = False
         if event.dedup and is_copy(conn, event):
             continue
-        payload = json.dumps(event.payload, ensure_ascii=False)
         cur = conn.execute(
             "INSERT OR IGNORE INTO events (key, agent, session_id, project, kind, source, ts, received,"
             " tool_name, tool_use_id, dedup, tokens, payload) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (event.key, event.agent, event.session_id, event.project, event.kind, event.source, event.ts,
-             now, event.tool_name, event.tool_use_id, event.dedup, event.tokens, payload),
+             now, event.tool_name, event.tool_use_id, event.dedup, event.tokens, event.payload_json),
         )
         if cur.rowcount == 1:
             event.id, event.stored = cur.lastrowid, True

@@ -8,7 +8,7 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,7 @@ class VectorService:
 
     IDLE_RESCAN_S = 5.0
     FULL_RESCAN_S = 600.0
+    HOLD_POLL_S = 0.5
 
     def __init__(self, config: Config, store: Store, offload: Offload | None = None) -> None:
         self.config = config
@@ -87,6 +88,10 @@ class VectorService:
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill",
                                         initializer=functools.partial(lower_thread_priority, EMBED_NICENESS))
         self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query")
+        # True while the back-fill must wait (`loom import` runs: the daemon sets it). On a 2-CPU machine the model
+        # took as much CPU as the import's parsing and commits together (niceness cannot arbitrate when the whole
+        # daemon runs niced); what the import writes is embedded when it is done.
+        self.hold: Callable[[], bool] = lambda: False
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
@@ -123,6 +128,9 @@ class VectorService:
         last_full = time.monotonic()
         failures = 0
         while not should_exit.is_set():
+            if self.hold():
+                await asyncio.sleep(self.HOLD_POLL_S)  # `caught_up` stays False: the import's writes woke us
+                continue
             if time.monotonic() - last_full > self.FULL_RESCAN_S:
                 self._cursor, last_full = 0, time.monotonic()
             self._wake.clear()
@@ -197,6 +205,7 @@ class VectorService:
             "dim": self.index.dim if self.index is not None else None,
             "vectors": len(self.index) if self.index is not None else 0, "pending": self.pending,
             "caught_up": self.caught_up, "embedded": self.embedded, "copied": self.copied,
+            "held": self.state == "ready" and self.hold(),  # waiting for an import to finish
         }
         if self.error:
             out["error"] = self.error

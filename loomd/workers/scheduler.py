@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 OBSERVE_NOW = frozenset({"PreCompact", "SessionEnd", "compact_summary"})
 STOP_TIMEOUT_S = 10.0
+HOLD_RETRY_S = 1.0  # while held, a due run is tried again this much later
 
 
 class Worker(Protocol):
@@ -68,6 +69,9 @@ class Scheduler:
         self.running: set[asyncio.Task[Any]] = set()
         self.stopping = False
         self.ctx = WorkerContext(store, config, memories, self.wake, offload, sync)
+        # True while scheduled runs must wait (`loom import` runs: the daemon sets it). The workers' text work took
+        # as much CPU as the import's own commits; an imported session is observed once the import is done.
+        self.hold: Callable[[], bool] = lambda: False
 
     @property
     def passive(self) -> bool:
@@ -137,6 +141,11 @@ class Scheduler:
         """The APScheduler entry point: one run, then again while triggers arrived during it."""
         try:
             while not self.stopping:
+                if self.hold() and self.aps is not None:
+                    # Its keys stay pending; a manual run (`loom workers run`) is not held.
+                    self.aps.modify_job(name, next_run_time=dt.datetime.now(dt.UTC)
+                                        + dt.timedelta(seconds=HOLD_RETRY_S))
+                    return
                 keys = frozenset(self.pending[name])
                 self.pending[name].clear()
                 await self.run(name, trigger="event" if keys else "interval", keys=keys)
