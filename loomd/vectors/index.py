@@ -206,7 +206,9 @@ class BitIndex:
             rows = np.flatnonzero(mask) if mask is not None else np.arange(n)
             eligible = len(rows)
             if eligible > prefilter:
-                table = (a["raw"] if raw else a["bits"])[rows]
+                bits = a["raw"] if raw else a["bits"]
+                # Every row qualifies (a store of one project): the index's own rows, not a copy of them.
+                table = bits[:n] if eligible == n else bits[rows]
                 distance = np.bitwise_count(table ^ query).sum(axis=1, dtype=np.int32)
                 rows = rows[np.argpartition(distance, prefilter)[:prefilter]]
             ids = a["id"][rows]
