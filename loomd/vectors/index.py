@@ -60,6 +60,29 @@ def as_matrix(blobs: Sequence[bytes], dim: int) -> np.ndarray:
     return np.frombuffer(joined, dtype="<f4").reshape(len(blobs), dim)
 
 
+class _Scratch(threading.local):
+    """A search thread's reusable buffers for the ranking's two large temporaries (the bits XOR the query, the
+    candidates' vectors as float32): fresh, each is a few hundred KB to MBs that glibc maps and the kernel faults in
+    page by page on every query (allocations above the mmap threshold, vectors/embed.py), 0.3 ms a search at 10k."""
+
+    # Candidate rows a float buffer keeps (6 MB at 384-d): a larger prefilter (a tuning) allocates as before.
+    MAX_ROWS = 4 * PREFILTER
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def take(self, name: str, rows: int, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
+        """An uninitialised (rows, *shape) array of `dtype`, a view of this thread's buffer `name`."""
+        buf = self.buffers.get(name)
+        if buf is None or len(buf) < rows or buf.shape[1:] != shape or buf.dtype != dtype:
+            buf = self.buffers[name] = np.empty((max(rows, len(buf) if buf is not None else 0) * 5 // 4 + 64, *shape),
+                                                dtype=dtype)
+        return buf[:rows]
+
+
+_SCRATCH = _Scratch()
+
+
 @dataclass(frozen=True)
 class IndexRow:
     id: int
@@ -206,13 +229,24 @@ class BitIndex:
             rows = np.flatnonzero(mask) if mask is not None else np.arange(n)
             eligible = len(rows)
             if eligible > prefilter:
-                table = (a["raw"] if raw else a["bits"])[rows]
-                distance = np.bitwise_count(table ^ query).sum(axis=1, dtype=np.int32)
+                bits = a["raw"] if raw else a["bits"]
+                # Every row qualifies (a store of one project): the index's own rows, not a copy of them.
+                table = bits[:n] if eligible == n else bits[rows]
+                xor = np.bitwise_xor(table, query, out=_SCRATCH.take("xor", len(table), table.shape[1:], np.uint64))
+                distance = np.bitwise_count(xor).sum(axis=1, dtype=np.int32)
                 rows = rows[np.argpartition(distance, prefilter)[:prefilter]]
             ids = a["id"][rows]
             if raw:
                 return sorted(ids.tolist()), [], eligible
-            cosines = (a["vec"][rows].astype(np.float32) @ vector) * a["scale"][rows]
+            if len(rows) <= _Scratch.MAX_ROWS:
+                # `clip`: the rows are the index's own; "raise" would gather into a fresh buffer first.
+                small = np.take(a["vec"], rows, axis=0, mode="clip",
+                                out=_SCRATCH.take("int8", len(rows), (self.dim,), np.int8))
+                floats = _SCRATCH.take("floats", len(rows), (self.dim,), np.float32)
+                floats[...] = small  # int8 to float32: exact, as astype
+            else:
+                floats = a["vec"][rows].astype(np.float32)
+            cosines = (floats @ vector) * a["scale"][rows]
         order = np.lexsort((ids, -cosines))
         return ids[order].tolist(), cosines[order].tolist(), eligible
 

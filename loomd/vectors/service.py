@@ -294,7 +294,9 @@ class VectorService:
         ranked, _, eligible = self.index.search(vector, filters, prefilter, raw=raw)
         rank_ms = (time.perf_counter() - embedded) * 1000
         self._queries += 1
-        if self._queries % TRIM_EVERY == 0:
+        # The trim is for the model's run buffers: with the model in the offload process (which trims its own heap)
+        # this thread allocates little, and a trim here would only hold the heap's locks while the search waits.
+        if self._queries % TRIM_EVERY == 0 and not isinstance(self._query_embedder, ChildEmbedder):
             release_memory()
         return vector, ranked, eligible, (embedded - started) * 1000, rank_ms
 
