@@ -354,6 +354,25 @@ async def test_an_observation_of_two_edits_shows_the_lines_of_both(client: Async
     assert '"24"' in clip["text"] and "v24.17.0" in clip["text"], clip["text"]
 
 
+async def test_a_users_ask_shows_what_the_agent_answered(client: AsyncClient) -> None:
+    """"User asked: …" is found by the question's words; the turn's answer (the agent's last message before the user
+    spoke again) is what a later agent wants, and the ask shows its lines (a real session asked for a balanced
+    opinion; the compromise was in the reply)."""
+    project = await _session(client, "ask-1", [
+        {"hook_event_name": "UserPromptSubmit",
+         "prompt": "Can you write a balanced opinion on splitting dev-docs from work folders?"},
+        _said("Here is the balanced view. The split helps once the project is stable.\n"
+              "Compromise: keep one tree and adopt a naming convention instead of a second directory structure."),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "thanks, now bump the version in package.json"},
+        _said("Bumped the version in package.json to 2.4.1."),
+    ])
+    query = "balanced opinion on splitting dev-docs from work folders"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=5))["results"]
+    (ask,) = [r for r in results if r["kind"] == "observation" and r["text"].startswith("User asked: Can you write")]
+    assert "naming convention instead of a second directory structure" in ask["text"], ask["text"]
+    assert "2.4.1" not in ask["text"]  # the next turn's answer is not this ask's
+
+
 async def test_an_observation_that_repeats_a_hit_above_it_takes_no_slot(client: AsyncClient) -> None:
     """Two turns report the same thing in nearly the same words: the second observation repeats the first by what it
     says itself — the different lines of its own step it would show do not make it new."""

@@ -546,10 +546,13 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
     def holds(line: str) -> frozenset[str]:
         return held_terms(terms, line)
 
+    # What a user's ask led to: the turn's answer, shown with the ask (`_answers`).
+    answers = await _answers(store, [(hit.memory["session_id"], sources[hit.memory["id"]][-1]) for hit in hits
+                                     if "goal" in hit.memory["tags"] and sources.get(hit.memory["id"])])
     # The steps every hit may show, in one read: an evidence hit's own step, an observation's source steps.
     wanted = {e for hit in hits if hit.memory["kind"] in ("evidence", "observation")
               for e in sources.get(hit.memory["id"], ())[:1 if hit.memory["kind"] == "evidence" else MAX_SOURCE_STEPS]}
-    steps = await _steps(store, sorted(wanted)) if wanted else {}
+    steps = await _steps(store, sorted(wanted | set(answers.values()))) if wanted else {}
     shown: list[tuple[Hit, frozenset[str]]] = []
     for hit in hits:
         if len(shown) == limit:
@@ -564,7 +567,9 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
                 hit.memory["text"] = best_windows(head, lines, holds, room)
         own = hit.memory["text"]
         if hit.memory["kind"] == "observation" and events:
-            hit.memory["text"] = _with_source_lines(own, events[:MAX_SOURCE_STEPS], steps, holds, room)
+            answer = answers.get(events[-1])
+            shows = (*events[:MAX_SOURCE_STEPS], *((answer,) if answer is not None else ()))
+            hit.memory["text"] = _with_source_lines(own, shows, steps, holds, room)
         words = frozenset(query_terms(hit.memory["text"], limit=None))
         # An observation repeats a hit shown above it by what it says itself, not by the lines of its step it shows.
         says = frozenset(query_terms(own, limit=None)) if own is not hit.memory["text"] else words
@@ -574,6 +579,23 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
             continue
         shown.append((hit, words))
     return [hit for hit, _ in shown]
+
+
+async def _answers(store: Store, asks: Sequence[tuple[str | None, int]]) -> dict[int, int]:
+    """For each (session, the event of a user's ask): the event of the agent's last message before the user spoke
+    again — the turn's answer. "User asked: can you write a balanced opinion?" is found by the question's words;
+    what the agent wrote back is what a later agent wants (coding QA: all@5 .70 → .71)."""
+    found: dict[int, int] = {}
+    for session_id, asked in asks:
+        if session_id is None or asked in found:
+            continue
+        answer = await store.scalar(
+            "SELECT max(id) FROM events WHERE session_id = ?1 AND id > ?2 AND kind IN ('assistant_message', 'Stop',"
+            " 'TurnComplete') AND id < coalesce((SELECT min(id) FROM events WHERE session_id = ?1 AND id > ?2 AND"
+            " kind IN ('user_message', 'UserPromptSubmit')), 9223372036854775807)", (session_id, asked))
+        if answer is not None:
+            found[asked] = int(answer)
+    return found
 
 
 async def _steps(store: Store, events: Sequence[int]) -> dict[tuple[int, str], tuple[int, list[str]]]:
