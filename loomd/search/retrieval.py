@@ -554,6 +554,7 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
               for e in sources.get(hit.memory["id"], ())[:1 if hit.memory["kind"] == "evidence" else MAX_SOURCE_STEPS]}
     steps = await _steps(store, sorted(wanted | set(answers.values()))) if wanted else {}
     shown: list[tuple[Hit, frozenset[str]]] = []
+    cited: set[int] = set()  # the source events of the hits shown so far and of those collapsed into them
     for hit in hits:
         if len(shown) == limit:
             break
@@ -568,14 +569,18 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
         own = hit.memory["text"]
         if hit.memory["kind"] == "observation" and events:
             answer = answers.get(events[-1])
+            # An answer a hit above stands for already (its report, shown or collapsed into one) is not shown twice.
+            answer = None if answer in cited else answer
             shows = (*events[:MAX_SOURCE_STEPS], *((answer,) if answer is not None else ()))
             hit.memory["text"] = _with_source_lines(own, shows, steps, holds, room)
         words = frozenset(query_terms(hit.memory["text"], limit=None))
         # An observation repeats a hit shown above it by what it says itself, not by the lines of its step it shows.
         says = frozenset(query_terms(own, limit=None)) if own is not hit.memory["text"] else words
         twin = next((h for h, w in shown if _repeats(says, w, repeated)), None)
+        folded = [memory_id, *hit.memory.get("collapsed", [])] if twin is not None else hit.memory.get("collapsed", [])
+        cited.update(e for i in (memory_id, *folded) for e in sources.get(i, ()))
         if twin is not None:
-            twin.memory.setdefault("collapsed", []).extend([memory_id, *hit.memory.get("collapsed", [])])
+            twin.memory.setdefault("collapsed", []).extend(folded)
             continue
         shown.append((hit, words))
     return [hit for hit, _ in shown]
