@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from loomd.ingest.reading import SHELL_TOOLS, failed_output, response_text, shell_command
@@ -143,15 +143,16 @@ def to_steps(events: Sequence[SourceEvent], ended: bool = False) -> list[Step]:
     if ended:
         for use in uses.values():
             at = next((i for i, step in enumerate(steps) if max(step.ids) > use.id), len(steps))
-            step = _run(use, use.tool_name or "", use.payload.get("tool_input"), NO_RESULT, False, [use.id])
-            steps.insert(at, replace(step, unanswered=True))
+            steps.insert(at, _run(use, use.tool_name or "", use.payload.get("tool_input"), NO_RESULT, False, [use.id],
+                                  unanswered=True))
     return steps
 
 
-def _run(ev: SourceEvent, tool: str, tool_input: Any, output: str, flagged: bool, ids: list[int]) -> Step:
+def _run(ev: SourceEvent, tool: str, tool_input: Any, output: str, flagged: bool, ids: list[int],
+         unanswered: bool = False) -> Step:
     """A tool run's step: the call's input, what it returned, whether it failed or the user rejected it."""
     tool_input = tool_input if isinstance(tool_input, dict) else {}
     command = shell_command(tool_input) if tool in SHELL_TOOLS or "cmd" in tool_input else ""
     return Step("run", output, ev.ts, ids, ev.lane, tool, tool_input, command,
                 failed=failed_output(output, flagged), rejected=bool(_REJECTED.search(output[:400])),
-                call=ev.tool_use_id or "")
+                call=ev.tool_use_id or "", unanswered=unanswered)
