@@ -60,6 +60,16 @@ async def test_keyword_and_semantic_signals(client: AsyncClient) -> None:
     assert {"id", "kind", "created", "text", "tokens", "score"} <= set(first) and first["tokens"] > 0
 
 
+async def test_an_identifier_in_the_question_finds_its_words_said_in_prose(client: AsyncClient) -> None:
+    """"max_tokens" asked about finds "make it 5000 tokens max" (the user's words); a file name stays whole."""
+    ids = await store_all(client, ["make it 5000 tokens max for both", "The vision prompt asks for JSON only.",
+                                   "Edited the test of the new button props."])
+    found = await search(client, "What max_tokens should the vision requests use?", mode="keyword")
+    assert ids[0] in ids_of(found)
+    # A name of a file is looked up as that name, not as its words ("button", "test" are everywhere in a repo).
+    assert await search(client, "What was done about components/button_test.go?", mode="keyword") == []
+
+
 async def test_neighbour_column_finds_the_answer_to_a_question(client: AsyncClient) -> None:
     """'Yes, last week!' is found through the question before it (the FTS context column), not without it."""
     texts = ["Melanie: Did you finally go to the pottery class?", "Caroline: Yes, last week! I loved it.",

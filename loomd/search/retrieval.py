@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from loomd.search.fusion import (
     CONTEXT_WEIGHT,
     DEFAULT_WEIGHTS,
     RRF_K,
+    STOPWORDS,
     fts_match,
     query_terms,
     score_by_entities,
@@ -246,12 +248,25 @@ async def _verify(store: Store, ranked: Sequence[int], where: str, params: Seque
     return kept[:n]
 
 
+# A snake_case identifier standing alone, not a piece of a path or a file name ("button_test.go" is found whole).
+_IDENTIFIER_RE = re.compile(r"(?<![\w./\\-])[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+(?![\w/\\-]|\.\w)")
+
+
+def with_identifier_parts(query: str, terms: Sequence[str]) -> list[str]:
+    """The terms, then the words of each snake_case identifier standing alone in the query: "max_tokens" in a
+    question is a phrase to the index, which misses "make it 5000 tokens max" said in prose."""
+    out = dict.fromkeys(terms)
+    for identifier in _IDENTIFIER_RE.findall(query):
+        out.update((part, None) for part in identifier.lower().split("_") if len(part) > 1 and part not in STOPWORDS)
+    return list(out)
+
+
 async def fts_signal(
     store: Store, query: str, where: str, params: Sequence[Any], n: int, ctx_weight: float, budget: int,
     indexed: int,
 ) -> list[tuple[int, float]]:
     """BM25 over text, tags and the neighbours' column (weighted ctx_weight; 0 leaves the column out)."""
-    terms = query_terms(query)
+    terms = with_identifier_parts(query, query_terms(query))
     if not terms:
         return []
     terms = await prune_terms(store, terms, budget, indexed)
