@@ -7,6 +7,7 @@ vector KNN over neighbour-mixed vectors, by weighted RRF with a small k.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
@@ -58,6 +59,13 @@ def query_terms(text: str, stopwords: frozenset[str] = STOPWORDS, limit: int | N
             if len(terms) == limit:
                 break
     return list(terms)
+
+
+@functools.lru_cache(maxsize=1024)
+def text_terms(text: str) -> frozenset[str]:
+    """The set of `query_terms(text, limit=None)`, remembered for the texts seen last: the repeat checks of a search
+    compare every hit shown (~20 µs a text to split), and the same memories come back across queries."""
+    return frozenset(query_terms(text, limit=None))
 
 
 def fts_match(terms: Sequence[str]) -> str:

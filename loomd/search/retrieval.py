@@ -30,6 +30,7 @@ from loomd.search.fusion import (
     fts_match,
     query_terms,
     score_by_entities,
+    text_terms,
     weighted_rrf,
 )
 from loomd.search.windows import GAP, LEAD_CHARS, WINDOW_CHARS, best_windows, merge_passages, passage_head
@@ -487,7 +488,7 @@ async def search_hits(
         item["score"] = round(score, 6)
         hit = Hit(item, {s: SignalHit(rank, raw[s][memory_id], part) for s, (rank, part) in parts.items()})
         evidence = item["kind"] == "evidence"
-        words = frozenset(query_terms(item["text"], limit=None)) if evidence else frozenset()
+        words = text_terms(item["text"]) if evidence else frozenset()
         twin = next((h for h, w in kept_words if _near(words, w)), None) if evidence else None
         if twin is not None:  # the same passage again (a todo list rewritten, a file read twice): one slot
             twin.memory.setdefault("collapsed", []).append(memory_id)
@@ -588,9 +589,9 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
             answer = None if answer in cited else answer
             shows = (*events[:MAX_SOURCE_STEPS], *((answer,) if answer is not None else ()))
             hit.memory["text"] = _with_source_lines(own, shows, steps, holds, room)
-        words = frozenset(query_terms(hit.memory["text"], limit=None))
+        words = text_terms(hit.memory["text"])
         # An observation repeats a hit shown above it by what it says itself, not by the lines of its step it shows.
-        says = frozenset(query_terms(own, limit=None)) if own is not hit.memory["text"] else words
+        says = text_terms(own) if own is not hit.memory["text"] else words
         twin = next((h for h, w in shown if _repeats(says, w, repeated)), None)
         folded = [memory_id, *hit.memory.get("collapsed", [])] if twin is not None else hit.memory.get("collapsed", [])
         cited.update(e for i in (memory_id, *folded) for e in sources.get(i, ()))
@@ -643,10 +644,10 @@ def _with_source_lines(text: str, events: Sequence[int], steps: Mapping[tuple[in
     others holding one while room is left (all@5 .68 → .69); a line that says nearly only what the clip says (a
     report's first line is its "Reported: …") is not shown again."""
     own, left = text, room - len(text) - 1
-    said = frozenset(query_terms(text, limit=None))
+    said = text_terms(text)
 
     def new(line: str) -> bool:  # not what the clip says already ("Perfect! <the reported sentence> …")
-        words = frozenset(query_terms(line, limit=None))
+        words = text_terms(line)
         return line.strip() not in text and (not words or len(words - said) > (1 - REPEATED) * len(words))
 
     mine = {key: [line for line in value[1] if new(line)] for key, value in steps.items() if key[0] in events}
