@@ -60,9 +60,11 @@ def sanitise(text: str) -> str:
     """One line; no bracket sequence that could end or fake a loomd block, in any look-alike form."""
     # Compatibility forms (a fullwidth ［/ＬＯＯＭ］) fold to ASCII; invisible format and control characters (a
     # zero-width space inside `[/LOOM]`, bidi overrides) go: what the model reads is what the check sees.
-    text = unicodedata.normalize("NFKC", text)
-    text = "".join(" " if unicodedata.category(ch) in ("Cc", "Cf") else ch for ch in text)
-    text = " ".join(text.split())
+    text = " ".join(unicodedata.normalize("NFKC", text).split())
+    # Newlines and tabs, the control characters of nearly every text, are gone with the whitespace: what is left is
+    # printable but for a rare one, and only then is each character looked at (a recall line's 3,000: 0.3 ms).
+    if not text.isprintable():
+        text = " ".join("".join(" " if unicodedata.category(ch) in ("Cc", "Cf") else ch for ch in text).split())
     return re.sub(r"\[(\s*/?\s*LOOM)", r"(\1", text, flags=re.IGNORECASE)
 
 
