@@ -419,3 +419,29 @@ async def test_a_call_the_session_ended_on_is_evidence(home: Path, sock_path: Pa
         assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
         (text,) = await found()
         assert text.startswith("shell_command `") and NO_RESULT in text
+
+
+async def test_asked_where_work_stopped_the_sessions_last_steps_answer(home: Path, sock_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """"Where did the grant work stop?" shares no word with how the real Codex session ended (it exported itself):
+    asked where work stopped, the last steps of the session the best hits come from rank as a signal of their own."""
+    monkeypatch.setenv("LOOMD_PASSIVE", "1")
+    monkeypatch.setenv("LOOMD_EMBEDDER", "none")
+    path = need_test_data("transcripts", "kunalcode12-Empire-of-bits-vorld") / "codex-session.jsonl"
+    async with serving(sock_path) as daemon, AsyncClient(sock_path) as client:
+        assert daemon.tailer is not None
+        (session,) = (await daemon.tailer.import_file(path))["sessions"]
+        project = (await client.call("events", session_id=session, limit=1))["events"][0]["project"]
+        await client.call("hook", event="SessionEnd", agent="codex",
+                          raw=json.dumps({"session_id": session, "hook_event_name": "SessionEnd", "reason": "exit"}))
+        assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
+
+        async def top(query: str, **args: Any) -> list[str]:
+            hits = await client.call("search", query=query, project=project, limit=3, explain=True, **args)
+            return [r["text"] for r in hits["results"]]
+
+        asked = "Where did the grant application work stop?"
+        assert any("Copy-Item" in text for text in await top(asked))
+        # Off, or asked about the grant without asking where it stopped: the export is not what answers.
+        assert not any("Copy-Item" in text for text in await top(asked, tuning={"ending": 0}))
+        assert not any("Copy-Item" in text for text in await top("What does the grant application say?"))
