@@ -447,42 +447,70 @@ async def test_asked_where_work_stopped_the_sessions_last_steps_answer(home: Pat
         assert not any("Copy-Item" in text for text in await top("What does the grant application say?"))
 
 
+def _turns(sid: str, cwd: str, turns: list[tuple[str, Any]]) -> str:
+    """A Claude Code transcript (JSONL) of `turns`: ("user", text), ("said", text), ("run", (command, output,
+    failed)) — each run a tool call and its result."""
+    records: list[dict[str, Any]] = []
+
+    def record(kind: str, content: Any, **more: Any) -> None:
+        n = len(records) + 1
+        records.append({"type": kind, "sessionId": sid, "uuid": f"u{n}", "timestamp": f"2026-01-02T03:04:{n:02d}Z",
+                        "cwd": cwd, "isSidechain": False, "message": {"role": kind, "content": content, **more}})
+
+    for role, value in turns:
+        if role == "user":
+            record("user", value)
+        elif role == "said":
+            record("assistant", [{"type": "text", "text": value}], id=f"m{len(records)}")
+        else:
+            command, output, failed = value
+            tool = f"t{len(records)}"
+            record("assistant", [{"type": "tool_use", "id": tool, "name": "Bash", "input": {"command": command}}],
+                   id=f"m{len(records)}")
+            record("user", [{"type": "tool_result", "tool_use_id": tool, "content": output, "is_error": failed}])
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+async def _imported(daemon: Daemon, client: AsyncClient, path: Path, sid: str) -> str:
+    """Import a transcript file, observe its session to its end; its project."""
+    assert daemon.tailer is not None
+    await daemon.tailer.import_file(path)
+    assert (await client.call("workers_run", name="observer", session_id=sid, final=True))["outcome"] == "ok"
+    return str((await client.call("events", session_id=sid, limit=1))["events"][0]["project"])
+
+
 async def test_an_announcement_shows_what_it_led_to(home: Path, sock_path: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """"…but let me check the specific test to understand:" ranks for the question's words and says nothing; the
     agent's next message is what the check found (a real session: the monitoring tests pass one by one). The hit
-    shows that message's matching lines."""
+    shows that message's matching lines. So does a failed run's note: what the agent made of the failure."""
     monkeypatch.setenv("LOOMD_PASSIVE", "1")
     monkeypatch.setenv("LOOMD_EMBEDDER", "none")
-    sid, cwd = "announce-1", "/tmp/loomd-announce-project"
-
-    def record(n: int, kind: str, content: Any, **more: Any) -> dict[str, Any]:
-        return {"type": kind, "sessionId": sid, "uuid": f"u{n}", "timestamp": f"2026-01-02T03:04:{n:02d}Z",
-                "cwd": cwd, "isSidechain": False, "message": {"role": kind, "content": content, **more}}
-
-    said = [
-        "There's a test failure in the monitoring package, but let me check the specific test to understand:",
-        "The monitoring middleware tests pass when run one at a time; only the full parallel run fails, on a port"
-        " clash.\nSo the monitoring suite is flaky under parallel runs, not broken.",
-    ]
-    lines = [
-        record(1, "user", "run the whole test suite and fix what fails"),
-        record(2, "assistant", [{"type": "text", "text": said[0]}], id="m2"),
-        record(3, "assistant", [{"type": "tool_use", "id": "t1", "name": "Bash",
-                                 "input": {"command": "go test ./internal/monitoring -run TestMonitoring"}}], id="m3"),
-        record(4, "user", [{"type": "tool_result", "tool_use_id": "t1", "content": "ok  internal/monitoring 0.4s"}]),
-        record(5, "assistant", [{"type": "text", "text": said[1]}], id="m5"),
-        record(6, "user", "good, now bump the version in package.json"),
-        record(7, "assistant", [{"type": "text", "text": "Bumped the version in package.json to 2.4.1."}], id="m7"),
-    ]
+    sid = "announce-1"
     path = tmp_path / f"{sid}.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    path.write_text(_turns(sid, "/tmp/loomd-announce-project", [
+        ("user", "run the whole test suite and fix what fails"),
+        ("said", "There's a test failure in the monitoring package, but let me check the specific test to understand:"),
+        ("run", ("go test ./internal/monitoring -run TestMonitoring", "ok  internal/monitoring 0.4s", False)),
+        ("said", "The monitoring middleware tests pass when run one at a time; only the full parallel run fails, on a"
+                 " port clash.\nSo the monitoring suite is flaky under parallel runs, not broken."),
+        ("run", ("pnpm typecheck", "src/cli.ts(350,27): error TS2345: Argument of type 'Effect' is not assignable",
+                 True)),
+        ("said", "The cli.ts errors are in the existing codebase, not in the new SDK; moving on to the docs."),
+        ("user", "good, now bump the version in package.json"),
+        ("said", "Bumped the version in package.json to 2.4.1."),
+    ]))
     async with serving(sock_path) as daemon, AsyncClient(sock_path) as client:
-        assert daemon.tailer is not None
-        await daemon.tailer.import_file(path)
-        assert (await client.call("workers_run", name="observer", session_id=sid, final=True))["outcome"] == "ok"
-        project = (await client.call("events", session_id=sid, limit=1))["events"][0]["project"]
-        results = (await client.call("search", query="test failure in the monitoring package", mode="keyword",
-                                     project=project, limit=3))["results"]
-        (hit,) = [r for r in results if r["text"].startswith("Assistant: There's a test failure")]
+        project = await _imported(daemon, client, path, sid)
+
+        async def hits(query: str) -> list[dict[str, Any]]:
+            return list((await client.call("search", query=query, mode="keyword", project=project,
+                                           limit=3))["results"])
+
+        (hit,) = [r for r in await hits("test failure in the monitoring package")
+                  if r["text"].startswith("Assistant: There's a test failure")]
         assert "pass when run one at a time" in hit["text"] and "2.4.1" not in hit["text"], hit["text"]
+        found = await hits("does pnpm typecheck pass")
+        notes = [r for r in found if r["kind"] == "observation" and r["text"].startswith("`pnpm typecheck` failed:")]
+        assert len(notes) == 1, [r["text"][:80] for r in found]
+        assert "existing codebase, not in the new SDK" in notes[0]["text"], notes[0]["text"]

@@ -586,10 +586,8 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
               for e in sources.get(hit.memory["id"], ())[:1 if hit.memory["kind"] == "evidence" else MAX_SOURCE_STEPS]}
     # What an announcement ("…but let me check the specific test to understand:") led to: the agent's next message,
     # what the check found (coding QA dev set: templar-ci-08 8 -> 3, all@5 .74 -> .75, recall .53 -> .54).
-    announced = [(hit.memory["session_id"], sources[hit.memory["id"]][0]) for hit in hits
-                 if hit.memory["kind"] == "evidence" and sources.get(hit.memory["id"])
-                 and passage_head(metas.get(hit.memory["id"])) == "Assistant:"
-                 and hit.memory["text"].rstrip().endswith(":")]
+    announced = [(hit.memory["session_id"], e) for hit in hits
+                 if (e := _leads_on(hit, metas, sources)) is not None]
     outcomes = await _outcomes(store, announced) if announced else {}
     steps = await _steps(store, sorted(wanted | set(answers.values()) | set(outcomes.values()))) if wanted else {}
     shown: list[tuple[Hit, frozenset[str]]] = []
@@ -606,11 +604,13 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
             if passages > 1 or len(hit.memory["text"]) > room:
                 hit.memory["text"] = best_windows(head, lines, holds, room)
         own = hit.memory["text"]
-        outcome = outcomes.get(events[0]) if events else None
-        if outcome is not None and outcome not in cited:
+        led = _leads_on(hit, metas, sources)
+        outcome = outcomes.get(led) if led is not None else None
+        outcome = None if outcome in cited else outcome
+        if outcome is not None and hit.memory["kind"] == "evidence":
             hit.memory["text"] = _with_source_lines(own, (outcome,), steps, holds, room)
         if hit.memory["kind"] == "observation" and events:
-            answer = answers.get(events[-1])
+            answer = answers.get(events[-1]) or outcome
             # An answer a hit above stands for already (its report, shown or collapsed into one) is not shown twice.
             answer = None if answer in cited else answer
             shows = (*events[:MAX_SOURCE_STEPS], *((answer,) if answer is not None else ()))
@@ -643,6 +643,24 @@ async def _answers(store: Store, asks: Sequence[tuple[str | None, int]]) -> dict
         if answer is not None:
             found[asked] = int(answer)
     return found
+
+
+def _leads_on(hit: Hit, metas: Mapping[int, Any], sources: Mapping[int, tuple[int, ...]]) -> int | None:
+    """The event whose outcome, the agent's next message, a hit should show: an announcement's ("…let me check the
+    specific test:"), or a failed run's observation ("`pnpm typecheck` failed: …": what the agent made of the failure,
+    "the cli.ts errors are in the existing codebase"; coding QA: big3-08 not in 10 -> 1). The passage of a failed
+    run showing it too was measured and left out (templar-ci-08 3 -> 7: the run's own lines lose their room)."""
+    events = sources.get(hit.memory["id"])
+    if not events:
+        return None
+    text = hit.memory["text"]
+    if hit.memory["kind"] == "observation":
+        return events[-1] if _FAILED_RUN.match(text) else None
+    announces = passage_head(metas.get(hit.memory["id"])) == "Assistant:" and text.rstrip().endswith(":")
+    return events[0] if hit.memory["kind"] == "evidence" and announces else None
+
+
+_FAILED_RUN = re.compile(r"`[^\n`]*` failed:")  # the observer's note of a failed run (`workers/rules.py`)
 
 
 async def _outcomes(store: Store, announced: Sequence[tuple[str | None, int]]) -> dict[int, int]:
