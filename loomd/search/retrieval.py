@@ -258,7 +258,7 @@ async def _verify(store: Store, ranked: Sequence[int], where: str, params: Seque
 # A question about where work stopped: "where did the table work stop?", "still open when the session ended",
 # "how far had it got when this was saved", "the user's last request".
 ENDING_ASKED = re.compile(
-    r"\bwhere\b.*\bstop(?:ped)?\b|\b(?:left off|leave off|ended|end of|last request|how far"
+    r"\bwhere\b.*\bstop(?:ped)?\b|\b(?:left off|leave off|ended|end of\b[^.?]{0,30}\bsession|last request|how far"
     r"|(?:still|left) (?:open|left|pending|unfinished))\b|\bwhen\b.*\b(?:saved|ended|declared|finished)\b", re.I)
 # A snake_case identifier standing alone, not a piece of a path or a file name ("button_test.go" is found whole).
 _IDENTIFIER_RE = re.compile(r"(?<![\w./\\-])[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+(?![\w/\\-]|\.\w)")
