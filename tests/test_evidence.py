@@ -482,8 +482,9 @@ async def _imported(daemon: Daemon, client: AsyncClient, path: Path, sid: str) -
 async def test_an_announcement_shows_what_it_led_to(home: Path, sock_path: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """"…but let me check the specific test to understand:" ranks for the question's words and says nothing; the
-    agent's next message is what the check found (a real session: the monitoring tests pass one by one). The hit
-    shows that message's matching lines. So does a failed run's note: what the agent made of the failure."""
+    agent's next message is what the check found (a real session: the monitoring tests pass one by one), or, when
+    that one announces again, the one after it. The hit shows their matching lines. So does a failed run's note: what
+    the agent made of the failure."""
     monkeypatch.setenv("LOOMD_PASSIVE", "1")
     monkeypatch.setenv("LOOMD_EMBEDDER", "none")
     sid = "announce-1"
@@ -491,7 +492,9 @@ async def test_an_announcement_shows_what_it_led_to(home: Path, sock_path: Path,
     path.write_text(_turns(sid, "/tmp/loomd-announce-project", [
         ("user", "run the whole test suite and fix what fails"),
         ("said", "There's a test failure in the monitoring package, but let me check the specific test to understand:"),
-        ("run", ("go test ./internal/monitoring -run TestMonitoring", "ok  internal/monitoring 0.4s", False)),
+        ("run", ("go test ./internal/monitoring", "FAIL internal/monitoring 0.9s", True)),
+        ("said", "I can see the individual test cases pass, but the overall run fails. Let me run them one by one:"),
+        ("run", ("go test ./internal/monitoring -run TestMonitoring -p 1", "ok  internal/monitoring 0.4s", False)),
         ("said", "The monitoring middleware tests pass when run one at a time; only the full parallel run fails, on a"
                  " port clash.\nSo the monitoring suite is flaky under parallel runs, not broken."),
         ("run", ("pnpm typecheck", "src/cli.ts(350,27): error TS2345: Argument of type 'Effect' is not assignable",

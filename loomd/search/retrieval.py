@@ -63,6 +63,7 @@ DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passag
 # (coding QA dev set: all@5 .72 -> .74, all@10 .80 -> .82; weight 1.0 .73, 2.5 .74).
 ENDING_WEIGHT = 1.5
 ENDING_STEPS = 5
+OUTCOME_HOPS = 3  # an announcement's outcome: the next message, or the one after it while each announces again
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
 FTS_BUDGET = 10_000
 # Knobs a benchmark (or a curious user) may turn per search: name -> (type, default, lowest, highest).
@@ -586,10 +587,15 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
               for e in sources.get(hit.memory["id"], ())[:1 if hit.memory["kind"] == "evidence" else MAX_SOURCE_STEPS]}
     # What an announcement ("…but let me check the specific test to understand:") led to: the agent's next message,
     # what the check found (coding QA dev set: templar-ci-08 8 -> 3, all@5 .74 -> .75, recall .53 -> .54).
-    announced = [(hit.memory["session_id"], e) for hit in hits
-                 if (e := _leads_on(hit, metas, sources)) is not None]
+    announced = [(hit.memory["session_id"], start) for hit in hits
+                 if (start := _leads_on(hit, metas, sources)) is not None]
     outcomes = await _outcomes(store, announced) if announced else {}
-    steps = await _steps(store, sorted(wanted | set(answers.values()) | set(outcomes.values()))) if wanted else {}
+    steps = await _steps(store, sorted(wanted | set(answers.values()) | {e for o in outcomes.values() for e in o})) \
+        if wanted else {}
+    # A message that announces again ("Let me check if there's a specific test…:") leads on to the next one.
+    for said_first, chain in outcomes.items():
+        ends = [i for i, said in enumerate(chain) if not _announces(steps, said)]
+        outcomes[said_first] = chain[: ends[0] + 1] if ends else chain
     shown: list[tuple[Hit, frozenset[str]]] = []
     cited: set[int] = set()  # the source events of the hits shown so far and of those collapsed into them
     for hit in hits:
@@ -605,15 +611,15 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
                 hit.memory["text"] = best_windows(head, lines, holds, room)
         own = hit.memory["text"]
         led = _leads_on(hit, metas, sources)
-        outcome = outcomes.get(led) if led is not None else None
-        outcome = None if outcome in cited else outcome
-        if outcome is not None and hit.memory["kind"] == "evidence":
-            hit.memory["text"] = _with_source_lines(own, (outcome,), steps, holds, room)
+        outcome = tuple(e for e in outcomes.get(led, ()) if e not in cited) if led is not None else ()
+        if outcome and hit.memory["kind"] == "evidence":
+            hit.memory["text"] = _with_source_lines(own, outcome, steps, holds, room)
         if hit.memory["kind"] == "observation" and events:
-            answer = answers.get(events[-1]) or outcome
+            answer = answers.get(events[-1])
             # An answer a hit above stands for already (its report, shown or collapsed into one) is not shown twice.
-            answer = None if answer in cited else answer
-            shows = (*events[:MAX_SOURCE_STEPS], *((answer,) if answer is not None else ()))
+            # A failed run's note: what the agent said next, whatever it went on to announce.
+            after = (answer,) if answer is not None and answer not in cited else outcome[:1]
+            shows = (*events[:MAX_SOURCE_STEPS], *after)
             hit.memory["text"] = _with_source_lines(own, shows, steps, holds, room)
         words = text_terms(hit.memory["text"])
         # An observation repeats a hit shown above it by what it says itself, not by the lines of its step it shows.
@@ -645,6 +651,11 @@ async def _answers(store: Store, asks: Sequence[tuple[str | None, int]]) -> dict
     return found
 
 
+def _announces(steps: Mapping[tuple[int, str], tuple[int, list[str]]], event: int) -> bool:
+    lines = steps.get((event, "Assistant:"), (0, []))[1]
+    return bool(lines) and lines[-1].rstrip().endswith(":")
+
+
 def _leads_on(hit: Hit, metas: Mapping[int, Any], sources: Mapping[int, tuple[int, ...]]) -> int | None:
     """The event whose outcome, the agent's next message, a hit should show: an announcement's ("…let me check the
     specific test:"), or a failed run's observation ("`pnpm typecheck` failed: …": what the agent made of the failure,
@@ -663,19 +674,20 @@ def _leads_on(hit: Hit, metas: Mapping[int, Any], sources: Mapping[int, tuple[in
 _FAILED_RUN = re.compile(r"`[^\n`]*` failed:")  # the observer's note of a failed run (`workers/rules.py`)
 
 
-async def _outcomes(store: Store, announced: Sequence[tuple[str | None, int]]) -> dict[int, int]:
+async def _outcomes(store: Store, announced: Sequence[tuple[str | None, int]]) -> dict[int, tuple[int, ...]]:
     """For each (session, the event of an announcing message): the event of the agent's next message before the
     user spoke again — what the tool calls it announced found."""
-    found: dict[int, int] = {}
+    found: dict[int, tuple[int, ...]] = {}
     for session_id, said in announced:
         if session_id is None or said in found:
             continue
-        outcome = await store.scalar(
-            "SELECT min(id) FROM events WHERE session_id = ?1 AND id > ?2 AND kind = 'assistant_message' AND id <"
+        rows = await store.fetchall(
+            "SELECT id FROM events WHERE session_id = ?1 AND id > ?2 AND kind = 'assistant_message' AND id <"
             " coalesce((SELECT min(id) FROM events WHERE session_id = ?1 AND id > ?2 AND"
-            " kind IN ('user_message', 'UserPromptSubmit')), 9223372036854775807)", (session_id, said))
-        if outcome is not None:
-            found[said] = int(outcome)
+            " kind IN ('user_message', 'UserPromptSubmit')), 9223372036854775807) ORDER BY id LIMIT ?3",
+            (session_id, said, OUTCOME_HOPS))
+        if rows:
+            found[said] = tuple(int(r[0]) for r in rows)
     return found
 
 
