@@ -5,13 +5,9 @@ every real transcript of the coding-QA set (at least one must show the chain).""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-import pytest
-from conftest import need_test_data, serving
-
-from loomd.client import AsyncClient
+from conftest import need_test_data
 
 CWD = "/tmp/currency-project"
 
@@ -25,15 +21,6 @@ def bash(session: str, command: str, output: str, n: int, *, failed: bool = Fals
     return hook(session, "PostToolUseFailure" if failed else "PostToolUse", tool_name="Bash",
                 tool_input={"command": command}, tool_use_id=f"tu-{session}-{n}",
                 **({"error": output} if failed else {"tool_response": {"stdout": output, "exit_code": 0}}))
-
-
-@pytest.fixture
-async def quiet(home: Path, sock_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A passive daemon without an embedder: the observer runs when asked, nothing runs behind the test's back."""
-    monkeypatch.setenv("LOOMD_PASSIVE", "1")
-    monkeypatch.setenv("LOOMD_EMBEDDER", "none")
-    async with serving(sock_path) as d, AsyncClient(sock_path) as client:
-        yield d, client
 
 
 async def test_a_fixed_failure_supersedes_its_error(quiet: Any) -> None:

@@ -15,6 +15,7 @@ import aiosqlite
 
 from loomd.config import Config
 from loomd.ingest.events import Event
+from loomd.ingest.memoryfiles import read_entries
 from loomd.ingest.reading import (
     EDIT_TOOLS,
     PLUMBING,
@@ -32,6 +33,8 @@ from loomd.ingest.sentences import classify_user_sentence, user_sentences
 from loomd.store.memories import MemoryWriter, insert_memory, supersede
 
 USER_RULE_CHARS = 320  # a rule in the user's words is kept whole more often than a tool's line (blocks clip it again)
+# An entry of another tool's memory file is second-hand: its writer typed it a rule, the user did not say it here.
+MEMORY_FILE_IMPORTANCE = 0.8
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Capture:
     kind: str
     text: str
     importance: float
+    meta: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,12 @@ def evaluate(run: ToolRun | None, prompt: str | None, state: SessionMemory) -> l
         if text:
             kind = "preference" if rule.name == "user_rule" and re.search(r"\bprefer", text, re.I) else rule.kind
             out.append(Capture(rule.name, kind, text, rule.importance))
+    if run is not None and not run.failed:
+        # A memory file another tool keeps, read by the agent: each typed entry under its writer's type, the file
+        # named as where it came from (`loomd.ingest.memoryfiles`).
+        file, found = read_entries(run.tool, run.path, run.command, run.output)
+        out.extend(Capture("memory_file", e.kind, e.text, MEMORY_FILE_IMPORTANCE, {"file": file, "type": e.type})
+                   for e in found)
     return out
 
 
@@ -312,7 +322,7 @@ class Capturer:
         memory_id, is_new = await insert_memory(
             db, kind=capture.kind, text=capture.text, project=event.project, session_id=event.session_id,
             agent=event.agent, importance=capture.importance, created=event.ts, origin=f"capture:{capture.rule}",
-            sources=[event.id] if event.id else [],
+            meta=capture.meta, sources=[event.id] if event.id else [],
         )
         if is_new:
             await db.execute("UPDATE sessions SET captures = captures + 1 WHERE id = ?", (event.session_id,))
