@@ -35,13 +35,16 @@ def numbered(text: str) -> str:
     return "\n".join(f"{i:>6}→{line}" for i, line in enumerate(text.splitlines(), 1))
 
 
-async def read(client: AsyncClient, session: str, path: str, content: str, tool: str = "Read") -> None:
-    tool_input = {"file_path": path} if tool == "Read" else {"command": f"cat {path}"}
-    response = (
-        {"type": "text", "file": {"filePath": path, "content": content}}
-        if tool == "Read"
-        else {"stdout": content, "exit_code": 0}
-    )
+async def read(
+    client: AsyncClient, session: str, path: str, content: str, tool: str = "Read", command: str = ""
+) -> None:
+    """A finished Read, shell command (`cat PATH` unless `command` says otherwise) or Write of `path`."""
+    tool_input: dict[str, Any] = {"file_path": path}
+    response: dict[str, Any] = {"type": "text", "file": {"filePath": path, "content": content}}
+    if tool == "Bash":
+        tool_input, response = {"command": command or f"cat {path}"}, {"stdout": content, "exit_code": 0}
+    elif tool == "Write":
+        tool_input, response = {"file_path": path, "content": content}, {"type": "update", "filePath": path}
     payload = {
         "session_id": session,
         "hook_event_name": "PostToolUse",
@@ -129,3 +132,32 @@ async def test_other_memory_file_conventions(quiet: Any) -> None:
         ("preference", "Integration tests hit a real database, never mocks."),
         ("preference", "Release notes go in CHANGELOG.md under Unreleased, newest entry first."),
     ]
+
+
+async def test_the_file_as_it_is_now_retires_what_it_no_longer_holds(quiet: Any) -> None:
+    """The memory tool consolidates its file (here the agent writes it back, as the chess session's Stop hook asked):
+    an entry reworded supersedes the one it was, an entry of a kind the file no longer has is archived, one kept
+    stays. A read that shows part of the file (`head`) retires nothing."""
+    daemon, client = quiet
+    await read(client, "mf-4", MEMORY_FILE, json.dumps(DOCUMENT, indent=2))
+    consolidated = {
+        "memories": [
+            {"type": "preference", "content": "Release notes go in CHANGELOG.md under Unreleased, newest first."},
+            {"type": "tech_decision", "content": "Chose SQLite WAL over Postgres for the local cache: one file."},
+            {"type": "tech_decision", "content": "Settings are stored as TOML, one file per profile."},
+        ]
+    }
+    await read(client, "mf-4", MEMORY_FILE, json.dumps(consolidated, indent=2), tool="Write")
+    head = json.dumps({"memories": consolidated["memories"][2:]}, indent=2)
+    await read(client, "mf-4", MEMORY_FILE, head, tool="Bash", command=f"head -n 8 {MEMORY_FILE}")
+    rows = {r["text"]: r for r in await from_files(client, "mf-4")}
+    live = sorted(t for t, r in rows.items() if r["archived_at"] is None and r["superseded_by"] is None)
+    assert live == sorted(m["content"] for m in consolidated["memories"])
+    old_rule = rows["Release notes go in CHANGELOG.md under Unreleased, newest entry first."]
+    assert old_rule["superseded_by"] == rows["Release notes go in CHANGELOG.md under Unreleased, newest first."]["id"]
+    old_decision = rows["Chose SQLite WAL over Postgres for the local cache: one file, no server."]
+    assert old_decision["superseded_by"] == rows["Chose SQLite WAL over Postgres for the local cache: one file."]["id"]
+    gone = rows["The watcher misses renames on network drives; poll there instead."]
+    assert gone["archived_at"] is not None and gone["superseded_by"] is None
+    block = (await client.call("context", kind="start", session_id="mf-4-next", cwd=CWD))["text"]
+    assert "newest first." in block and "newest entry first" not in block and "watcher" not in block, block

@@ -1,5 +1,5 @@
-"""Another tool's memory file, as the agent read it: its typed entries (a preference, a decision, a known issue …),
-each to become a memory of the matching kind.
+"""Another tool's memory file, as the agent read (or wrote) it: its typed entries (a preference, a decision, a known
+issue …), each to become a memory of the matching kind.
 
 Agents' plugins keep memory files of their own: a JSON list of entries typed by their writer
 (`.claude/memories/project_memory.json`: `{"type": "preference", "content": "…"}`, or `{"preferences": ["…"]}`), or
@@ -8,6 +8,9 @@ rule or a decision someone already wrote down and typed; when the agent reads on
 keeps its entries under their writer's type, so the next session's start block shows them as it shows the user's own
 rules. Untyped text (CLAUDE.md, AGENTS.md, a README) is not read here: the agent loads or reads it itself, and a
 sentence of it is no more a rule than a line of code.
+
+A whole read (or a Write of the whole file) is the file as it is now: an entry captured from an earlier version that
+it no longer holds is out of date (its writer consolidated or dropped it), and the capture retires it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from loomd.ingest.reading import clip_ends, only_views_files
 from loomd.ingest.sentences import sentences
 
 READ_TOOLS = frozenset({"Read", "read_file", "ReadFile", "view", "view_file"})
+WRITE_TOOLS = frozenset({"Write", "write_file", "create_file"})  # the whole file in the call's input
+# A shell command that prints one whole file and nothing else (no pipe, no filter, no redirection).
+_WHOLE_SHOW = re.compile(r"^\s*(?:cat|bat|type|gc|Get-Content)(?:\s+-\w+)*\s+(\S+)\s*$")
 # A memory store names itself so (`memory/`, `.claude/memories/`, `memory-bank/`, `project_memory.json`,
 # `MEMORY.md`); a fixture of one (tests, examples) holds made-up entries.
 _MEMORY_PATH = re.compile(r"memor(?:y|ies)", re.IGNORECASE)
@@ -40,6 +46,7 @@ TYPE_KINDS: tuple[tuple[frozenset[str], str], ...] = tuple(
         ("procedure procedures workflow workflows howto recipe recipes", "procedure"),
     )
 )
+FILE_KINDS = tuple(sorted({kind for _, kind in TYPE_KINDS}))  # every kind a memory file yields
 RULE_KINDS = frozenset({"preference", "constraint"})
 _TYPE_FIELDS = ("type", "kind", "category", "memory_type")
 _TEXT_FIELDS = ("content", "text", "memory", "description", "value", "note", "summary", "rule", "body")
@@ -57,6 +64,15 @@ class Entry:
     kind: str
     text: str
     type: str  # the writer's own word for it
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one tool call showed of a memory file: its typed entries, and whether they are all it holds now."""
+
+    file: str
+    entries: list[Entry]
+    whole: bool
 
 
 def kind_of(type_name: str) -> str | None:
@@ -88,13 +104,15 @@ def file_text(output: str) -> str:
     return output
 
 
-def entries(output: str) -> list[Entry]:
+def entries(text: str) -> tuple[list[Entry], bool]:
     """The typed entries of a memory file's text (JSON, else markdown with a `type:` front matter), deduplicated,
-    at most MAX_ENTRIES. A rule entry too long for one start-block line is kept a sentence an entry: a curated file
-    bundles several rules into one entry ("Version in the header badge. Changelog each version. Bug fixes use .1
+    at most MAX_ENTRIES; and whether the text parsed whole (a JSON document with nothing after it, a markdown file
+    with its front matter). A rule entry too long for one start-block line is kept a sentence an entry: a curated
+    file bundles several rules into one ("Version in the header badge. Changelog each version. Bug fixes use .1
     increments."), and a clipped line would lose the middle ones."""
-    text = file_text(output)
-    found = list(_json_entries(text)) or list(_markdown_entries(text))
+    complete, json_found = _json_entries(text)
+    found = json_found or list(_markdown_entries(text))
+    complete = complete if json_found else bool(found)
     out: list[Entry] = []
     seen: set[str] = set()
     for type_name, content in found:
@@ -109,26 +127,28 @@ def entries(output: str) -> list[Entry]:
                 seen.add(key)
                 out.append(Entry(kind, clip_ends(part, ENTRY_CHARS), type_name))
         if len(out) >= MAX_ENTRIES:
-            return out[:MAX_ENTRIES]
-    return out
+            return out[:MAX_ENTRIES], False
+    return out, complete
 
 
-def _json_entries(text: str) -> Iterator[tuple[str, str]]:
+def _json_entries(text: str) -> tuple[bool, list[tuple[str, str]]]:
+    """(the document parsed whole, its typed entries)."""
     start = min((i for i in (text.find("{"), text.find("[")) if i >= 0), default=-1)
     if start < 0:
-        return
+        return False, []
     try:
-        document, _ = json.JSONDecoder().raw_decode(text, start)
+        document, end = json.JSONDecoder().raw_decode(text, start)
     except ValueError:
         # Cut short (a Read with a limit, a bounded payload): the entries that arrived whole are flat objects.
+        found: list[tuple[str, str]] = []
         for match in _FLAT_OBJECT.finditer(text):
             try:
                 obj = json.loads(match.group(0))
             except ValueError:
                 continue
-            yield from _walk(obj, 0)
-        return
-    yield from _walk(document, 0)
+            found.extend(_walk(obj, 0))
+        return False, found
+    return not text[end:].strip(), list(_walk(document, 0))
 
 
 def _walk(node: Any, depth: int) -> Iterator[tuple[str, str]]:
@@ -166,7 +186,39 @@ def _markdown_entries(text: str) -> Iterator[tuple[str, str]]:
     yield type_name, content
 
 
-def read_entries(tool: str, path: str, command: str, output: str) -> tuple[str, list[Entry]]:
-    """The memory file a finished tool call read and its typed entries, or ("", [])."""
+def snapshot(tool: str, path: str, command: str, tool_input: dict[str, Any], output: str) -> Snapshot | None:
+    """The memory file a finished tool call read or wrote whole, and its typed entries; None for any other call.
+    `whole`: the entries are everything the file holds now (a Read without offset or limit whose text parsed whole,
+    a plain `cat` of it, a Write of it), so an entry of an earlier version missing here is gone from the file."""
+    if tool in WRITE_TOOLS:
+        content = tool_input.get("content")
+        if not is_memory_path(path) or not isinstance(content, str):
+            return None
+        found, complete = entries(content)
+        return Snapshot(path, found, complete)
     file = read_memory_path(tool, path, command)
-    return (file, entries(output)) if file else ("", [])
+    if not file:
+        return None
+    found, complete = entries(file_text(output))
+    if tool in READ_TOOLS:
+        first = _LINE_NUMBER.search(output)
+        windowed = bool(tool_input.get("offset") or tool_input.get("limit"))
+        whole = complete and not windowed and (first is None or first.group(0).strip().rstrip("→") == "1")
+    else:
+        whole = complete and bool(_WHOLE_SHOW.match(command)) and "\n" not in command.strip()
+    return Snapshot(file, found, whole)
+
+
+def successor(text: str, kind: str, current: list[tuple[int, str, str]]) -> int | None:
+    """The entry of the file's current version that an entry gone from it became: of the same kind, the one sharing
+    the most words with it (a consolidated or reworded entry); None when the file holds none of its kind."""
+    words = set(re.findall(r"\w+", text.lower()))
+    best: tuple[float, int] | None = None
+    for memory_id, new_kind, new_text in current:
+        if new_kind != kind:
+            continue
+        other = set(re.findall(r"\w+", new_text.lower()))
+        overlap = len(words & other) / max(1, len(words | other))
+        if best is None or overlap > best[0]:
+            best = (overlap, memory_id)
+    return best[1] if best else None
