@@ -89,7 +89,8 @@ def read_memory_path(tool: str, path: str, command: str) -> str:
     """The memory file a tool call only read (the Read tool, or a shell command that only shows files), or ""."""
     if tool in READ_TOOLS:
         return path if is_memory_path(path) else ""
-    if not command or not only_views_files(command):
+    # Every shell call of every session comes here: a word test first, the command parsed only when it may be one.
+    if not command or not _MEMORY_PATH.search(command) or not only_views_files(command):
         return ""
     return next((w.strip("'\"") for w in command.split() if is_memory_path(w.strip("'\""))), "")
 
