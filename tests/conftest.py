@@ -157,6 +157,18 @@ async def client(daemon: Daemon, sock_path: Path) -> AsyncIterator[AsyncClient]:
 
 
 @pytest.fixture
+async def quiet(
+    home: Path, sock_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Daemon, AsyncClient]]:
+    """A passive daemon without an embedder and its client: the observer runs when asked, nothing runs behind the
+    test's back."""
+    monkeypatch.setenv("LOOMD_PASSIVE", "1")
+    monkeypatch.setenv("LOOMD_EMBEDDER", "none")
+    async with serving(sock_path) as d, AsyncClient(sock_path) as c:
+        yield d, c
+
+
+@pytest.fixture
 async def store(home: Path) -> AsyncIterator[Store]:
     s = await Store.open(home / "loomd.db")
     yield s

@@ -10,11 +10,13 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiosqlite
 
 from loomd.config import Config
 from loomd.ingest.events import Event
+from loomd.ingest.memoryfiles import FILE_KINDS, Snapshot, snapshot, successor
 from loomd.ingest.reading import (
     EDIT_TOOLS,
     PLUMBING,
@@ -29,9 +31,11 @@ from loomd.ingest.reading import (
     shell_command,
 )
 from loomd.ingest.sentences import classify_user_sentence, user_sentences
-from loomd.store.memories import MemoryWriter, insert_memory, supersede
+from loomd.store.memories import MemoryWriter, insert_memory, set_archived, supersede
 
 USER_RULE_CHARS = 320  # a rule in the user's words is kept whole more often than a tool's line (blocks clip it again)
+# An entry of another tool's memory file is second-hand: its writer typed it a rule, the user did not say it here.
+MEMORY_FILE_IMPORTANCE = 0.8
 
 
 @dataclass
@@ -43,6 +47,7 @@ class ToolRun:
     path: str  # file path for edit tools
     output: str
     failed: bool
+    input: dict[str, Any] = field(default_factory=dict)  # the call's own arguments
 
 
 @dataclass
@@ -60,6 +65,7 @@ class Capture:
     kind: str
     text: str
     importance: float
+    meta: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -253,7 +259,7 @@ async def tool_run(db: aiosqlite.Connection, event: Event,
     if tool == "apply_patch" and not path:
         match = re.search(r"\*\*\* (?:Update|Add) File: (\S+)", str(tool_input.get("input", "")))
         path = match.group(1) if match else ""
-    return ToolRun(tool, command, path, output, failed_output(output, flagged))
+    return ToolRun(tool, command, path, output, failed_output(output, flagged), tool_input)
 
 
 def prompt_text(event: Event) -> str | None:
@@ -304,6 +310,42 @@ class Capturer:
                 elif capture.rule in FIXES:
                     # The command works now: what was noted as failing repeatedly is out of date.
                     await supersede(db, memory_id, state.errors.pop(command_key(run.command), []))
+            if run is not None and not run.failed \
+                    and (shown := snapshot(run.tool, run.path, run.command, run.input, run.output)) is not None:
+                await self._memory_file(db, event, shown, off)
+
+    async def _memory_file(self, db: aiosqlite.Connection, event: Event, shown: Snapshot,
+                           off: frozenset[str]) -> None:
+        """A memory file another tool keeps, read (or written) by the agent: each typed entry under its writer's type,
+        the file named as where it came from (`loomd.ingest.memoryfiles`). When the call showed the whole file, what
+        was captured from it before and it no longer holds is out of date: superseded by the entry it became (same
+        kind, most words shared), archived when the file holds nothing of its kind any more."""
+        current: list[tuple[int, str, str]] = []
+        known = shown.whole  # every entry the file holds is a memory now (none turned off, none over the rate)
+        for entry in shown.entries:
+            capture = Capture("memory_file", entry.kind, entry.text, MEMORY_FILE_IMPORTANCE,
+                              {"file": shown.file, "type": entry.type})
+            memory_id = None if entry.kind in off else await self._store(db, event, capture)
+            if memory_id is None:
+                known = False
+                continue
+            current.append((memory_id, entry.kind, entry.text))
+        if not known:
+            return
+        marks = ",".join("?" * len(FILE_KINDS))
+        # The project's (project, kind) index narrows this to the kinds a memory file yields.
+        earlier = await db.execute_fetchall(
+            f"SELECT id, kind, text FROM memories WHERE project = ? AND kind IN ({marks})"
+            " AND origin = 'capture:memory_file' AND archived_at IS NULL AND superseded_by IS NULL"
+            " AND json_extract(meta, '$.file') = ?", (event.project, *FILE_KINDS, shown.file))
+        kept = {memory_id for memory_id, _, _ in current}
+        for old_id, kind, text in earlier:
+            if old_id in kept:
+                continue
+            if (new_id := successor(text, kind, current)) is not None:
+                await supersede(db, new_id, [old_id])
+            else:
+                await set_archived(db, [old_id], True, f"gone from {shown.file}")
 
     async def _store(self, db: aiosqlite.Connection, event: Event, capture: Capture) -> int | None:
         rows = list(await db.execute_fetchall("SELECT captures FROM sessions WHERE id = ?", (event.session_id,)))
@@ -312,7 +354,7 @@ class Capturer:
         memory_id, is_new = await insert_memory(
             db, kind=capture.kind, text=capture.text, project=event.project, session_id=event.session_id,
             agent=event.agent, importance=capture.importance, created=event.ts, origin=f"capture:{capture.rule}",
-            sources=[event.id] if event.id else [],
+            meta=capture.meta, sources=[event.id] if event.id else [],
         )
         if is_new:
             await db.execute("UPDATE sessions SET captures = captures + 1 WHERE id = ?", (event.session_id,))
