@@ -6,7 +6,9 @@ compaction summary, Stop, SessionEnd. After each prompt the replay pauses `--thi
 first tool call; default 100 ms, far less than any real model takes) so the prompt's background semantic recall can
 arrive with the next tool result, as it would. Prints one JSON object: per session the tokens injected at start,
 per prompt (in the hook, and with the following tool result), after compaction, duplicates (an id injected twice in
-one session; must be 0), and the injected share of the session's own tokens. Tokens are chars/4.
+one session; must be 0), and the injected share of the session's own tokens. Tokens are chars/4. `--again` then
+replays every session once more as a later session of its project (`again` in the output): the first pass recalls
+little, no session before it sharing its project; the second is what a project with a memory pays.
 """
 
 from __future__ import annotations
@@ -74,8 +76,10 @@ class Replay:
             return ""
         return json.loads(reply["stdout"])["hookSpecificOutput"]["additionalContext"]
 
-    def session(self, path: Path, items: list[TranscriptItem]) -> dict[str, Any]:
+    def session(self, path: Path, items: list[TranscriptItem], again: bool = False) -> dict[str, Any]:
         sid = items[0].session_id or path.stem
+        if again:  # the same work done again in a later session: every earlier session's memory is there to recall
+            sid = f"again-{sid}"
         cwd = next((i.cwd for i in items if i.cwd), "/replay/" + path.parent.name)
         agent = items[0].agent
         base = {"session_id": sid, "transcript_path": str(path), "cwd": cwd}
@@ -156,6 +160,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the first five sessions only")
     parser.add_argument("--show", action="store_true", help="include the blocks themselves")
     parser.add_argument("--think-ms", type=float, default=100.0, help="pause after each prompt (the model's time)")
+    parser.add_argument("--again", action="store_true",
+                        help="then replay every session again as a later session, and count that pass apart")
     args = parser.parse_args()
     found = sessions(args.data / "transcripts")
     if args.quick:
@@ -167,6 +173,9 @@ def main() -> None:
             with Client(home / "loomd.sock", timeout=60) as client:
                 replay = Replay(client, args.think_ms)
                 rows = [replay.session(path, items) for path, items in found]
+                # Each session's work again, in a later session: what the prompts' recall injects once the project has
+                # a memory (the first pass recalls little: no session before it shares its project).
+                again = [replay.session(path, items, again=True) for path, items in found] if args.again else []
                 # What the next session of each project would be handed at its start.
                 for row, (path, items) in zip(rows, found, strict=True):
                     cwd = next((i.cwd for i in items if i.cwd), "/replay/" + path.parent.name)
@@ -181,19 +190,23 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
     if not args.show:
-        for row in rows:
-            row.pop("start_block")
-            row.pop("recall_examples")
-            row.pop("next_session_start")
-    totals = {k: sum(r[k] for r in rows) for k in ("own_tokens", "start_tokens", "prompt_tokens", "follow_up_tokens",
-                                                     "compact_tokens", "injected_tokens", "duplicates", "prompts",
-                                                     "prompts_with_recall", "prompts_with_follow_up")}
-    totals["share_of_own"] = round(totals["injected_tokens"] / max(1, totals["own_tokens"]), 4)
+        for row in (*rows, *again):
+            for key in ("start_block", "recall_examples", "next_session_start"):
+                row.pop(key, None)
     print(json.dumps({
         "bench": "tokens", "machine": platform.machine(), "python": platform.python_version(),
-        "think_ms": args.think_ms, "sessions": len(rows), "totals": totals, "memories": stats["memories"],
+        "think_ms": args.think_ms, "sessions": len(rows), "totals": summed(rows), "memories": stats["memories"],
         "per_session": rows,
+        **({"again": {"totals": summed(again), "per_session": again}} if args.again else {}),
     }, indent=2, ensure_ascii=False))
+
+
+def summed(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    totals: dict[str, Any] = {k: sum(r[k] for r in rows) for k in (
+        "own_tokens", "start_tokens", "prompt_tokens", "follow_up_tokens", "compact_tokens", "injected_tokens",
+        "duplicates", "prompts", "prompts_with_recall", "prompts_with_follow_up")}
+    totals["share_of_own"] = round(totals["injected_tokens"] / max(1, totals["own_tokens"]), 4)
+    return totals
 
 
 if __name__ == "__main__":
