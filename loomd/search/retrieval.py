@@ -62,7 +62,7 @@ DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passag
 # of this weight (fts's is 1.5): the answer is how the session ended, which shares few words with the question
 # (coding QA dev set: all@5 .72 -> .74, all@10 .80 -> .82; weight 1.0 .73, 2.5 .74).
 ENDING_WEIGHT = 1.5
-ENDING_STEPS = 5
+ENDING_STEPS = 5  # memories (passages, notes) from the session's end
 OUTCOME_HOPS = 3  # an announcement's outcome: the next message, or the one after it while each announces again
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
 FTS_BUDGET = 10_000
@@ -675,8 +675,9 @@ _FAILED_RUN = re.compile(r"`[^\n`]*` failed:")  # the observer's note of a faile
 
 
 async def _outcomes(store: Store, announced: Sequence[tuple[str | None, int]]) -> dict[int, tuple[int, ...]]:
-    """For each (session, the event of an announcing message): the event of the agent's next message before the
-    user spoke again — what the tool calls it announced found."""
+    """For each (session, the event of an announcing message): the events of the agent's next `OUTCOME_HOPS`
+    messages before the user spoke again — what the tool calls it announced found (`_show_windows` keeps them up to
+    the first that does not announce again)."""
     found: dict[int, tuple[int, ...]] = {}
     for session_id, said in announced:
         if session_id is None or said in found:
@@ -770,8 +771,8 @@ async def _sources(store: Store, ids: Sequence[int]) -> dict[int, tuple[int, ...
 
 async def _session_end(store: Store, best: Sequence[tuple[int, float, Any]], where: str,
                        params: Sequence[Any]) -> list[tuple[int, float]]:
-    """The memories of the last `ENDING_STEPS` steps (evidence and observations, by their latest source event) of
-    the session the `best` hits weigh most in (summed fused score), latest first."""
+    """The `ENDING_STEPS` latest memories (evidence and observations, by their latest source event) of the session
+    the `best` hits weigh most in (summed fused score), latest first."""
     score = {i: s for i, s, _ in best}
     weight: dict[str, float] = {}
     for memory_id, session_id in await store.fetchall(
