@@ -442,6 +442,7 @@ async def test_asked_where_work_stopped_the_sessions_last_steps_answer(home: Pat
 
         asked = "Where did the grant application work stop?"
         assert any("Copy-Item" in text for text in await top(asked))
+        assert any("Copy-Item" in text for text in await top(asked, floor=True))  # what `loom search` shows
         # Off, or asked about the grant without asking where it stopped: the export is not what answers.
         assert not any("Copy-Item" in text for text in await top(asked, tuning={"ending": 0}))
         assert not any("Copy-Item" in text for text in await top("What does the grant application say?"))

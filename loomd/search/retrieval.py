@@ -786,7 +786,7 @@ async def _session_end(store: Store, best: Sequence[tuple[int, float, Any]], whe
         f"SELECT m.id, max(s.event_id) AS last FROM memories m JOIN memory_sources s ON s.memory_id = m.id"
         f" WHERE m.session_id = ? AND m.kind IN ('evidence', 'observation') AND {where} GROUP BY m.id"
         f" ORDER BY last DESC, m.id DESC LIMIT ?", [session, *params, ENDING_STEPS])
-    return [(r[0], float(r[1])) for r in rows]
+    return [(r[0], float(place)) for place, r in enumerate(rows, 1)]  # its raw score: its place from the end
 
 
 async def _facts(store: Store, ids: set[int]) -> dict[int, tuple[float, int]]:
