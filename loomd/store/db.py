@@ -235,17 +235,22 @@ class Store:
             await self.writer.close()
 
     @asynccontextmanager
-    async def atomic(self) -> AsyncIterator[aiosqlite.Connection]:
-        """One write transaction at a time; rolled back on any exception, cancellation included."""
+    async def atomic(self, *, durable: bool = True) -> AsyncIterator[aiosqlite.Connection]:
+        """One write transaction at a time; rolled back on any exception, cancellation included.
+
+        `durable=False` commits without waiting for the disk (as `commit_relaxed`): for what is acknowledged only
+        after a later durable commit, which syncs it too (a bulk submitter's slices but its last)."""
         async with self._write_lock:
             try:
                 # BEGIN inside the try: a caller cancelled while BEGIN runs on the connection's thread (a context
                 # deadline) must not leave the one writer connection inside a transaction for good. The ROLLBACK
                 # queues behind whatever statement is still running, so it always undoes the right thing.
+                if not durable:
+                    await self.writer.execute("PRAGMA synchronous = NORMAL")
                 await self.writer.execute("BEGIN IMMEDIATE")
                 yield self.writer
                 await self.writer.execute("COMMIT")
-                self.durable_commits += 1
+                self.durable_commits += durable
             except BaseException as exc:
                 # Nothing to roll back (BEGIN failed) or SQLite already did (a full disk, an I/O error): noise.
                 with contextlib.suppress(*DB_ERRORS):
@@ -253,6 +258,10 @@ class Store:
                 if isinstance(exc, DB_ERRORS) and not isinstance(exc, DB_BUGS):
                     raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
                 raise
+            finally:
+                if not durable:  # queued behind the COMMIT or ROLLBACK: the next transaction is durable again
+                    with contextlib.suppress(*DB_ERRORS):
+                        await asyncio.shield(self.writer.execute(f"PRAGMA synchronous = {SYNCHRONOUS}"))
 
     async def commit_relaxed(self, fn: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
         """`fn` in a write transaction of its own, in one trip to the writer's thread, committed without waiting
