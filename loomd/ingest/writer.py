@@ -184,11 +184,11 @@ class EventWriter:
         began = time.perf_counter()
         try:
             try:
-                await self._commit([item], part, durable=last, final=last)
+                await self._commit([item], part, durable=last, final=last, urgent=False)
             except ProcessorFailed as exc:
                 log.error("%d event(s) stored without their captures: a processor failed on them", len(part),
                           exc_info=exc.__cause__)
-                await self._commit([item], part, derive=False, durable=last, final=last)
+                await self._commit([item], part, derive=False, durable=last, final=last, urgent=False)
         except Exception as exc:  # noqa: BLE001 - reported to this submitter only
             log.error("could not commit %d event(s); they were not acknowledged: %s", len(item.events) - start, exc)
             self.losses.record(len(item.events) - start, exc)
@@ -233,11 +233,12 @@ class EventWriter:
         return failed
 
     async def _commit(self, batch: list[Batch], events: list[Event] | None = None, *, derive: bool = True,
-                      durable: bool = True, final: bool = True) -> None:
-        """`events` (default: the batch's) in one transaction, with each submitter's `also` when `final`."""
+                      durable: bool = True, final: bool = True, urgent: bool = True) -> None:
+        """`events` (default: the batch's) in one transaction, with each submitter's `also` when `final`; `urgent`
+        (live submitters) before the workers' and the back-fill's waiting transactions."""
         if events is None:
             events = [e for item in batch for e in item.events]
-        async with self.store.atomic(durable=durable) as db:
+        async with self.store.atomic(durable=durable, urgent=urgent) as db:
             # Every event's statements in one trip to the writer's thread: a trip per statement (three per event)
             # cost more than the statements themselves, and the loop paid for each one.
             stored = await on_thread(db, functools.partial(insert_events, events=events, now=time.time()))

@@ -18,6 +18,7 @@ import aiosqlite
 
 from loomd.errors import ExtensionError, StorageError
 from loomd.store.migrations import MIGRATIONS
+from loomd.store.turns import WriteTurns
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class Store:
         self.path = path
         self.writer = writer
         self.reader = reader
-        self._write_lock = asyncio.Lock()
+        self._write_lock = WriteTurns()
         self.durable_commits = 0  # commits synced to disk so far (`atomic`'s); see `commit_relaxed`
 
     @classmethod
@@ -229,18 +230,24 @@ class Store:
             raise
         return cls(path, writer, reader)
 
+    @property
+    def write_waiting(self) -> int:
+        """Transactions waiting for their turn on the writer."""
+        return self._write_lock.waiting
+
     async def close(self) -> None:
-        async with self._write_lock:
+        async with self._write_lock.hold():
             await self.reader.close()
             await self.writer.close()
 
     @asynccontextmanager
-    async def atomic(self, *, durable: bool = True) -> AsyncIterator[aiosqlite.Connection]:
+    async def atomic(self, *, durable: bool = True, urgent: bool = False) -> AsyncIterator[aiosqlite.Connection]:
         """One write transaction at a time; rolled back on any exception, cancellation included.
 
         `durable=False` commits without waiting for the disk (as `commit_relaxed`): for what is acknowledged only
-        after a later durable commit, which syncs it too (a bulk submitter's slices but its last)."""
-        async with self._write_lock:
+        after a later durable commit, which syncs it too (a bulk submitter's slices but its last). `urgent`: the
+        transaction goes before the waiting ones that are not (live hooks' commits, `WriteTurns`)."""
+        async with self._write_lock.hold(urgent):
             try:
                 # BEGIN inside the try: a caller cancelled while BEGIN runs on the connection's thread (a context
                 # deadline) must not leave the one writer connection inside a transaction for good. The ROLLBACK
@@ -270,7 +277,7 @@ class Store:
         redoes (sync marking what the server holds); its writer-lock hold, which hooks wait behind, is the
         statements alone. Returns fn's result and `durable_commits` as of this commit: once that count has moved,
         the transaction is on disk."""
-        async with self._write_lock:
+        async with self._write_lock.hold():
             try:
                 result = await on_thread(self.writer, functools.partial(_relaxed, fn))
             except DB_ERRORS as exc:
@@ -283,7 +290,7 @@ class Store:
     async def exclusive(self) -> AsyncIterator[aiosqlite.Connection]:
         """The writer with no transaction open, no other write running: for what cannot run inside one (VACUUM, a
         WAL checkpoint, a PRAGMA for what follows). The caller begins and ends its own transactions."""
-        async with self._write_lock:
+        async with self._write_lock.hold():
             yield self.writer
 
     async def fetchall(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
