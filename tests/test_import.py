@@ -325,9 +325,9 @@ def test_a_hook_during_an_import_is_acknowledged(tmp_path: Path, home: Path) -> 
 
     A PostToolUse must be acknowledged within the shim's ack deadline: the shim spools whatever is not, and the
     spool stays empty and unreplayed. A UserPromptSubmit is stored once, acknowledged or (past its 150 ms context
-    deadline) through the spool: the embedder and the observer's text work run in the offload process, but on a
-    shared 2-CPU machine the import's own parsing and redaction can still make a prompt miss that deadline
-    (`bench/hooks.py --background-import`), so that part is not asserted here."""
+    deadline) through the spool: the import's parsers run only on idle CPU and its commits are sliced with hooks
+    between them, but on a shared, loaded 2-CPU machine a prompt's recall and durable commit can still miss that
+    deadline (`bench/hooks.py --background-import` measures it), so that part is not asserted here."""
     history = make_history(tmp_path / "h", copies=3)
     daemon = DaemonProcess(home, {"LOOMD_CODEX_HOME": str(tmp_path / "no-codex")}).start()
     try:
