@@ -52,8 +52,9 @@ DIRECT = ("query",)  # lanes with a pipe of their own, called from a thread (`ca
 class Offload:
     """The parent's handle on the helper process: `call` and `call_sync` run a function there."""
 
-    def __init__(self, nice: int = CHILD_NICE) -> None:
+    def __init__(self, nice: int = CHILD_NICE, *, idle: bool = False) -> None:
         self.nice = nice  # added to the child's priority: the helper yields the CPU to the loop and the agent
+        self.idle = idle  # the whole child runs only on CPU time nothing else wants (`idle_priority`)
         self._lock = threading.Lock()
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
@@ -89,8 +90,8 @@ class Offload:
             ctx = multiprocessing.get_context("spawn")
             parent, child = ctx.Pipe()
             direct = {lane: ctx.Pipe() for lane in DIRECT}
-            proc = ctx.Process(target=_child_main, args=(child, self.nice, {k: c for k, (_, c) in direct.items()}),
-                               name="loomd-offload", daemon=True)
+            proc = ctx.Process(target=_child_main, args=(child, self.nice, {k: c for k, (_, c) in direct.items()},
+                                                         self.idle), name="loomd-offload", daemon=True)
             proc.start()
             child.close()
             for _, end in direct.values():
@@ -269,7 +270,25 @@ def lower_thread_priority(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
-def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | None = None) -> None:
+def idle_priority() -> str:
+    """Let the calling process run only on CPU time nothing else wants; returns how ("idle" or "nice").
+
+    On Linux, SCHED_IDLE for the calling thread, which the threads it starts inherit: any other runnable task takes
+    the CPU from it as soon as it wakes, whatever its niceness (with only niceness, a task of the same one, such as a
+    daemon run niced as a whole, waited for the end of the other's time slice at every wake-up). Elsewhere the
+    lowest niceness (19). Lowering a priority needs no privilege; it cannot be raised again without one."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return "idle"
+        except OSError:
+            log.debug("SCHED_IDLE refused; falling back to niceness 19")
+    with contextlib.suppress(OSError):
+        os.nice(19 - os.nice(0))
+    return "nice"
+
+
+def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | None = None, idle: bool = False) -> None:
     """Serve calls until the parent goes away (the pipe closes); each lane on its own thread, a direct lane's thread
     reading its own pipe.
 
@@ -277,7 +296,9 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
     on the parse lane, so those (and the thread that reads the calls) keep the daemon's priority; a niced query
     lane cost a search 1.5–2.7 ms at the median on a busy machine. Elsewhere the whole helper is niced."""
     per_thread = sys.platform.startswith("linux")
-    if nice and not per_thread:
+    if idle:  # before any thread starts: they inherit it
+        idle_priority()
+    elif nice and not per_thread:
         with contextlib.suppress(OSError):
             os.nice(nice)
     send_lock = threading.Lock()

@@ -33,6 +33,7 @@ from conftest import REPO, DaemonProcess, need_test_data, query, serving
 
 from loomd.client import AsyncClient, Client, RemoteError
 from loomd.daemon import Daemon
+from loomd.ingest.tailer import BATCH_EVENTS
 
 CLI = "import sys; from loomd.cli import main; sys.argv[0] = 'loom'; main()"
 SHIM = REPO / "plugin" / "shims" / "loom-hook"
@@ -324,9 +325,9 @@ def test_a_hook_during_an_import_is_acknowledged(tmp_path: Path, home: Path) -> 
 
     A PostToolUse must be acknowledged within the shim's ack deadline: the shim spools whatever is not, and the
     spool stays empty and unreplayed. A UserPromptSubmit is stored once, acknowledged or (past its 150 ms context
-    deadline) through the spool: the embedder and the observer's text work run in the offload process, but on a
-    shared 2-CPU machine the import's own parsing and redaction can still make a prompt miss that deadline
-    (`bench/hooks.py --background-import`), so that part is not asserted here."""
+    deadline) through the spool: the import's parsers run only on idle CPU and its commits are sliced with hooks
+    between them, but on a shared, loaded 2-CPU machine a prompt's recall and durable commit can still miss that
+    deadline (`bench/hooks.py --background-import` measures it), so that part is not asserted here."""
     history = make_history(tmp_path / "h", copies=3)
     daemon = DaemonProcess(home, {"LOOMD_CODEX_HOME": str(tmp_path / "no-codex")}).start()
     try:
@@ -353,6 +354,47 @@ def test_a_hook_during_an_import_is_acknowledged(tmp_path: Path, home: Path) -> 
         assert len(spooled) <= 1 and all("UserPromptSubmit" in line for line in spooled), spooled
         rows = sorted(query(home, "SELECT source, kind FROM events WHERE session_id = ?", (sid,)))
         assert rows == [("hook", "PostToolUse"), ("hook", "UserPromptSubmit")]
+    finally:
+        daemon.stop()
+
+
+def test_a_hook_is_committed_between_the_slices_of_an_imported_file(tmp_path: Path, home: Path) -> None:
+    """An imported file's events are committed in slices, and a hook arriving meanwhile is committed between two of
+    them, not after the whole file: some hook event's id falls inside one imported session's range of ids. Each file
+    here is one session and one batch (fewer events than the tailer's BATCH_EVENTS), so before slicing its events
+    had consecutive ids and a hook came before or after all of them. Hooks go every 10 ms while the import runs: the
+    writer also idles between files (waiting for the parsers), when a hook falls between two sessions."""
+    data = need_test_data("transcripts") / CLAUDE_PROJECTS
+    source = max(data.rglob("*.jsonl"), key=lambda p: p.stat().st_size)
+    lines = source.read_text().splitlines()[:250]
+    claude = tmp_path / "h" / "claude"
+    for n in range(16):
+        text = UUID_RE.sub(lambda m, n=n: str(uuid.uuid5(uuid.NAMESPACE_OID, f"{n}:{m[0]}")), "\n".join(lines))
+        dest = claude / "projects" / f"-slices-{n}" / f"{uuid.uuid5(uuid.NAMESPACE_OID, f'{n}:file')}.jsonl"
+        dest.parent.mkdir(parents=True)
+        dest.write_text(text + "\n")
+    history = History(claude, tmp_path / "h" / "codex", {}, [])
+    daemon = DaemonProcess(home, {"LOOMD_CODEX_HOME": str(tmp_path / "no-codex")}).start()
+    try:
+        proc = import_under_way(home, history, "the import ended before its first events were seen")
+        sent = 0
+        with Client(daemon.sock, timeout=30) as c:
+            while proc.poll() is None and sent < 200:
+                raw = json.dumps({"session_id": "hook-between-slices", "cwd": str(tmp_path), "tool_name": "Bash",
+                                  "tool_use_id": f"toolu_{sent}", "tool_input": {"command": "true"},
+                                  "tool_response": {"stdout": "", "stderr": ""}, "hook_event_name": "PostToolUse"})
+                assert c.call("hook", {"event": "PostToolUse", "agent": "claude", "raw": raw.encode()})["stored"] == 1
+                sent += 1
+                time.sleep(0.01)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and json.loads(out)["stored"] > 0, err
+        ranges = query(home, "SELECT min(id), max(id), count(*) FROM events WHERE source = 'transcript'"
+                       " GROUP BY session_id")
+        assert len(ranges) == 16 and all(count < BATCH_EVENTS for _, _, count in ranges), ranges
+        hooks = [i for (i,) in query(home, "SELECT id FROM events WHERE session_id = 'hook-between-slices'")]
+        assert len(hooks) == sent > 1
+        inside = [i for i in hooks if any(low < i < high for low, high, _ in ranges)]
+        assert inside, f"none of {sent} hooks was committed inside an imported file's batch"
     finally:
         daemon.stop()
 

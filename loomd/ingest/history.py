@@ -227,16 +227,17 @@ class ParserPool:
     """Child processes that read, parse and redact whole history files for `loom import` (`read_session_file`).
 
     Redaction is most of an import's CPU; in the daemon's process it would hold the event loop's interpreter lock
-    and run on one core. Here it runs beside the daemon, which only writes. At the daemon's own priority, not the
-    helper's lower one: the import is the job a person waits for, and on a busy machine a niced parser starved
-    (a 20k-event import took 51 s against 23 s in the daemon's own process, load average 12 on 2 CPUs); the loop
-    loses nothing by it, since the parse no longer holds its interpreter lock. The children start with the first
-    file and stop when no file came for `idle_s` (the `import_idle_s` setting), so an idle daemon holds none. A
-    child that dies fails nothing: that file is parsed in a thread of the daemon instead, and the next file starts a
-    fresh child."""
+    and run on one core. Here it runs beside the daemon, which only writes, and only on CPU time nothing else wants
+    (SCHED_IDLE on Linux, `offload.idle_priority`): at the daemon's own priority, a parser took a core from the hooks
+    at every wake-up (on 2 CPUs, hooks during an import were 6-20 ms slower at the median, up to 150 ms at p99).
+    The price is the import's speed on a machine busy with other work, which takes the CPU first (niceness alone
+    could not arbitrate: a niced parser starved and a daemon run niced as a whole still waited). The children start
+    with the first file and stop when no file came for `idle_s` (the `import_idle_s` setting), so an idle daemon
+    holds none. A child that dies fails nothing: that file is parsed in a thread of the daemon instead, and the next
+    file starts a fresh child."""
 
     def __init__(self, size: int, idle_s: float) -> None:
-        self.children = [Offload(nice=0) for _ in range(max(1, size))]
+        self.children = [Offload(nice=0, idle=True) for _ in range(max(1, size))]
         self.idle_s = idle_s
         self.busy = [0] * len(self.children)
         self.files = 0

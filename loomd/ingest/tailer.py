@@ -496,7 +496,7 @@ class Tailer:
         parts = [events[i:i + BATCH_EVENTS] for i in range(0, len(events), BATCH_EVENTS)] or [[]]
         for n, part in enumerate(parts):
             # Only the last part carries the offset: a crash between parts re-reads, and dedupe absorbs it.
-            await self.writer.submit(part, also=self._saver(f, chunk) if n == len(parts) - 1 else None)
+            await self.writer.submit(part, also=self._saver(f, chunk) if n == len(parts) - 1 else None, bulk=True)
             self.submitted += len(part)
             self.stored += sum(e.stored for e in part)
         f.offset, f.ino, f.fmt, f.codex = chunk.offset, chunk.ino, chunk.fmt, chunk.codex
@@ -667,7 +667,7 @@ class Tailer:
         stored = 0
         parts = [events[i:i + BATCH_EVENTS] for i in range(0, len(events), BATCH_EVENTS)] or [[]]
         for n, part in enumerate(parts):
-            await self.writer.submit(part, also=also if n == len(parts) - 1 else None)
+            await self.writer.submit(part, also=also if n == len(parts) - 1 else None, bulk=True)
             stored += sum(e.stored for e in part)
         return {"path": str(p), "format": fmt, "events": len(events), "stored": stored,
                 "sessions": sorted({e.session_id for e in events})}

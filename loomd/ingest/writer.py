@@ -1,4 +1,12 @@
-"""Group commit: concurrent submitters share one transaction; each is acknowledged only after COMMIT."""
+"""Group commit: concurrent submitters share one transaction; each is acknowledged only after COMMIT.
+
+Two kinds of submitters. Live ones (a hook, the `ingest` op, a spool replay) share group commits as they come. Bulk
+ones (`loom import`'s files, the tailer's chunks: hundreds of events each, with capture rules to run on every one)
+are committed in slices of a few milliseconds, one slice between two live commits, so that a hook waits behind at
+most one slice instead of a whole file's worth of inserts and captures (a 500-event import batch held the writer
+56 ms at the median, 320 ms at worst, on 2 CPUs). A bulk submitter's slices but the last are committed without
+waiting for the disk (synchronous NORMAL); its last slice is durable, and in WAL mode a durable commit syncs every
+transaction before it: the submitter is acknowledged only then, as every submitter is."""
 
 from __future__ import annotations
 
@@ -41,6 +49,12 @@ class Batch:
     events: list[Event]
     future: asyncio.Future[list[Event]]
     also: Processor | None = None
+    committed: int = 0  # a bulk batch's events committed so far (its slices)
+
+
+# A bulk slice holds the writer about this long: what a hook arriving meanwhile waits for, besides its own commit.
+SLICE_S = 0.004
+SLICE_MIN, SLICE_FIRST = 4, 16  # events in a slice: at least; before the cost of an event is known
 
 
 RECENT_ERRORS = 10
@@ -67,6 +81,9 @@ class EventWriter:
         self.store = store
         self.max_batch = max_batch
         self._queue: asyncio.Queue[Batch] = asyncio.Queue(max_pending)
+        self._bulk: asyncio.Queue[Batch] = asyncio.Queue(max_pending)
+        self._ready = asyncio.Event()  # set while either queue holds a batch
+        self._event_s = 0.0  # a bulk event's cost in the writer (insert and captures), a moving average
         self._task: asyncio.Task[None] | None = None
         self.processors: list[Processor] = []
         self.listeners: list[Listener] = []
@@ -78,7 +95,7 @@ class EventWriter:
 
     @property
     def depth(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + self._bulk.qsize()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="event-writer")
@@ -87,15 +104,17 @@ class EventWriter:
         """Commit what was already accepted, then stop."""
         if self._task and not self._task.done():
             await self._queue.join()
+            await self._bulk.join()
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def submit(self, events: list[Event], also: Processor | None = None) -> list[Event]:
+    async def submit(self, events: list[Event], also: Processor | None = None, *, bulk: bool = False) -> list[Event]:
         """Resolve projects, queue, and wait for the commit. A full queue answers Busy at once.
 
         `also` runs inside the same transaction (a tailer's offset, a worker's watermark), so it commits
-        together with the events or not at all.
+        together with the events or not at all; for a `bulk` submitter (committed in slices, see above), together
+        with its last events.
         """
         # A folder the user keeps out of memory: its events are acknowledged and dropped (stored stays 0).
         roots = self.ignored.roots()
@@ -105,7 +124,8 @@ class EventWriter:
                 event.project = await project_of(event.cwd)
         future: asyncio.Future[list[Event]] = asyncio.get_running_loop().create_future()
         try:
-            self._queue.put_nowait(Batch(events, future, also))
+            (self._bulk if bulk else self._queue).put_nowait(Batch(events, future, also))
+            self._ready.set()
         except asyncio.QueueFull:
             self.losses.busy += len(events)
             raise Busy("the daemon is overloaded; spool the event and retry") from None
@@ -118,31 +138,78 @@ class EventWriter:
         return events
 
     async def _run(self) -> None:
+        bulk: Batch | None = None  # the bulk batch being committed, slice by slice
         while True:
-            batch = [await self._queue.get()]
-            size = len(batch[0].events)
-            while not self._queue.empty() and size < self.max_batch:
-                item = self._queue.get_nowait()
-                batch.append(item)
-                size += len(item.events)
-            failed: dict[int, Exception] = {}
+            if self._queue.empty() and bulk is None and self._bulk.empty():
+                self._ready.clear()
+                await self._ready.wait()
+            if not self._queue.empty():
+                await self._commit_live()
+            # One bulk slice between two live commits: live events wait behind one slice at most, and a stream of
+            # hooks never starves an import.
+            if bulk is None and not self._bulk.empty():
+                bulk = self._bulk.get_nowait()
+            if bulk is not None and await self._commit_slice(bulk):
+                self._bulk.task_done()
+                bulk = None
+
+    async def _commit_live(self) -> None:
+        batch = [self._queue.get_nowait()]
+        size = len(batch[0].events)
+        while not self._queue.empty() and size < self.max_batch:
+            item = self._queue.get_nowait()
+            batch.append(item)
+            size += len(item.events)
+        failed: dict[int, Exception] = {}
+        try:
+            await self._commit(batch)
+        except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
+            failed = await self._commit_apart(batch, exc)
+        for item in batch:
+            if not item.future.done():
+                if id(item) in failed:
+                    item.future.set_exception(failed[id(item)])
+                else:
+                    item.future.set_result(item.events)
+            self._queue.task_done()
+        self._notify([e for item in batch if id(item) not in failed for e in item.events])
+
+    async def _commit_slice(self, item: Batch) -> bool:
+        """Commit the next slice of a bulk batch; True when the batch is done (acknowledged or failed)."""
+        per_event = self._event_s
+        n = max(SLICE_MIN, min(self.max_batch, int(SLICE_S / per_event))) if per_event else SLICE_FIRST
+        start, end = item.committed, min(len(item.events), item.committed + n)
+        last = end == len(item.events)
+        part = item.events[start:end]
+        began = time.perf_counter()
+        try:
             try:
-                await self._commit(batch)
-            except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
-                failed = await self._commit_apart(batch, exc)
-            for item in batch:
-                if not item.future.done():
-                    if id(item) in failed:
-                        item.future.set_exception(failed[id(item)])
-                    else:
-                        item.future.set_result(item.events)
-                self._queue.task_done()
-            done = [e for item in batch if id(item) not in failed for e in item.events]
-            for listener in self.listeners:
-                try:
-                    listener(done)
-                except Exception:  # noqa: BLE001 - a listener must never stop ingest
-                    log.exception("event listener failed")
+                await self._commit([item], part, durable=last, final=last, urgent=False)
+            except ProcessorFailed as exc:
+                log.error("%d event(s) stored without their captures: a processor failed on them", len(part),
+                          exc_info=exc.__cause__)
+                await self._commit([item], part, derive=False, durable=last, final=last, urgent=False)
+        except Exception as exc:  # noqa: BLE001 - reported to this submitter only
+            log.error("could not commit %d event(s); they were not acknowledged: %s", len(item.events) - start, exc)
+            self.losses.record(len(item.events) - start, exc)
+            if not item.future.done():
+                item.future.set_exception(exc)
+            return True
+        if not last:  # the last slice's time includes the wait for the disk, which is not the events' cost
+            spent = (time.perf_counter() - began) / max(1, len(part))
+            self._event_s = spent if not self._event_s else 0.7 * self._event_s + 0.3 * spent
+        item.committed = end
+        self._notify(part)
+        if last and not item.future.done():
+            item.future.set_result(item.events)
+        return last
+
+    def _notify(self, done: list[Event]) -> None:
+        for listener in self.listeners:
+            try:
+                listener(done)
+            except Exception:  # noqa: BLE001 - a listener must never stop ingest
+                log.exception("event listener failed")
 
     async def _commit_apart(self, batch: list[Batch], first: Exception) -> dict[int, Exception]:
         """After a failed group commit, each submitter's events alone, so that one bad event fails only its own
@@ -165,9 +232,13 @@ class EventWriter:
                 failed[id(item)] = exc
         return failed
 
-    async def _commit(self, batch: list[Batch], derive: bool = True) -> None:
-        events = [e for item in batch for e in item.events]
-        async with self.store.atomic() as db:
+    async def _commit(self, batch: list[Batch], events: list[Event] | None = None, *, derive: bool = True,
+                      durable: bool = True, final: bool = True, urgent: bool = True) -> None:
+        """`events` (default: the batch's) in one transaction, with each submitter's `also` when `final`; `urgent`
+        (live submitters) before the workers' and the back-fill's waiting transactions."""
+        if events is None:
+            events = [e for item in batch for e in item.events]
+        async with self.store.atomic(durable=durable, urgent=urgent) as db:
             # Every event's statements in one trip to the writer's thread: a trip per statement (three per event)
             # cost more than the statements themselves, and the loop paid for each one.
             stored = await on_thread(db, functools.partial(insert_events, events=events, now=time.time()))
@@ -176,7 +247,7 @@ class EventWriter:
                     await processor(db, stored)
                 except Exception as exc:
                     raise ProcessorFailed(str(exc)) from exc
-            for item in batch:
+            for item in batch if final else ():
                 if item.also is not None:
                     await item.also(db, item.events)
         self.committed += len(stored)

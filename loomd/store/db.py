@@ -18,6 +18,7 @@ import aiosqlite
 
 from loomd.errors import ExtensionError, StorageError
 from loomd.store.migrations import MIGRATIONS
+from loomd.store.turns import WriteTurns
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class Store:
         self.path = path
         self.writer = writer
         self.reader = reader
-        self._write_lock = asyncio.Lock()
+        self._write_lock = WriteTurns()
         self.durable_commits = 0  # commits synced to disk so far (`atomic`'s); see `commit_relaxed`
 
     @classmethod
@@ -229,23 +230,34 @@ class Store:
             raise
         return cls(path, writer, reader)
 
+    @property
+    def write_waiting(self) -> int:
+        """Transactions waiting for their turn on the writer."""
+        return self._write_lock.waiting
+
     async def close(self) -> None:
-        async with self._write_lock:
+        async with self._write_lock.hold():
             await self.reader.close()
             await self.writer.close()
 
     @asynccontextmanager
-    async def atomic(self) -> AsyncIterator[aiosqlite.Connection]:
-        """One write transaction at a time; rolled back on any exception, cancellation included."""
-        async with self._write_lock:
+    async def atomic(self, *, durable: bool = True, urgent: bool = False) -> AsyncIterator[aiosqlite.Connection]:
+        """One write transaction at a time; rolled back on any exception, cancellation included.
+
+        `durable=False` commits without waiting for the disk (as `commit_relaxed`): for what is acknowledged only
+        after a later durable commit, which syncs it too (a bulk submitter's slices but its last). `urgent`: the
+        transaction goes before the waiting ones that are not (live hooks' commits, `WriteTurns`)."""
+        async with self._write_lock.hold(urgent):
             try:
                 # BEGIN inside the try: a caller cancelled while BEGIN runs on the connection's thread (a context
                 # deadline) must not leave the one writer connection inside a transaction for good. The ROLLBACK
                 # queues behind whatever statement is still running, so it always undoes the right thing.
+                if not durable:
+                    await self.writer.execute("PRAGMA synchronous = NORMAL")
                 await self.writer.execute("BEGIN IMMEDIATE")
                 yield self.writer
                 await self.writer.execute("COMMIT")
-                self.durable_commits += 1
+                self.durable_commits += durable
             except BaseException as exc:
                 # Nothing to roll back (BEGIN failed) or SQLite already did (a full disk, an I/O error): noise.
                 with contextlib.suppress(*DB_ERRORS):
@@ -253,6 +265,10 @@ class Store:
                 if isinstance(exc, DB_ERRORS) and not isinstance(exc, DB_BUGS):
                     raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
                 raise
+            finally:
+                if not durable:  # queued behind the COMMIT or ROLLBACK: the next transaction is durable again
+                    with contextlib.suppress(*DB_ERRORS):
+                        await asyncio.shield(self.writer.execute(f"PRAGMA synchronous = {SYNCHRONOUS}"))
 
     async def commit_relaxed(self, fn: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
         """`fn` in a write transaction of its own, in one trip to the writer's thread, committed without waiting
@@ -261,7 +277,7 @@ class Store:
         redoes (sync marking what the server holds); its writer-lock hold, which hooks wait behind, is the
         statements alone. Returns fn's result and `durable_commits` as of this commit: once that count has moved,
         the transaction is on disk."""
-        async with self._write_lock:
+        async with self._write_lock.hold():
             try:
                 result = await on_thread(self.writer, functools.partial(_relaxed, fn))
             except DB_ERRORS as exc:
@@ -274,7 +290,7 @@ class Store:
     async def exclusive(self) -> AsyncIterator[aiosqlite.Connection]:
         """The writer with no transaction open, no other write running: for what cannot run inside one (VACUUM, a
         WAL checkpoint, a PRAGMA for what follows). The caller begins and ends its own transactions."""
-        async with self._write_lock:
+        async with self._write_lock.hold():
             yield self.writer
 
     async def fetchall(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
