@@ -395,17 +395,29 @@ async def test_an_observation_that_repeats_a_hit_above_it_takes_no_slot(client: 
 
 
 
+async def _codex_export_session(daemon: Daemon, client: AsyncClient) -> tuple[str, str]:
+    """The real Codex session that ends on the command exporting it, imported: its id and its project."""
+    path = need_test_data("transcripts", "kunalcode12-Empire-of-bits-vorld") / "codex-session.jsonl"
+    assert daemon.tailer is not None
+    (session,) = (await daemon.tailer.import_file(path))["sessions"]
+    return session, str((await client.call("events", session_id=session, limit=1))["events"][0]["project"])
+
+
+async def _ended(client: AsyncClient, session: str) -> None:
+    """The session's end as Codex's hook says it, and the observer's run over the ended session."""
+    await client.call("hook", event="SessionEnd", agent="codex",
+                      raw=json.dumps({"session_id": session, "hook_event_name": "SessionEnd", "reason": "exit"}))
+    assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
+
+
 async def test_a_call_the_session_ended_on_is_evidence(home: Path, sock_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A real Codex session ends on the command that exported it: the transcript holds the call and no result. While
     the session may go on, the call waits for its result; once it is over, the call is a passage of its own."""
     monkeypatch.setenv("LOOMD_PASSIVE", "1")  # the observer runs when asked, nothing behind the test's back
     monkeypatch.setenv("LOOMD_EMBEDDER", "none")
-    path = need_test_data("transcripts", "kunalcode12-Empire-of-bits-vorld") / "codex-session.jsonl"
     async with serving(sock_path) as daemon, AsyncClient(sock_path) as client:
-        assert daemon.tailer is not None
-        (session,) = (await daemon.tailer.import_file(path))["sessions"]
-        project = (await client.call("events", session_id=session, limit=1))["events"][0]["project"]
+        session, project = await _codex_export_session(daemon, client)
 
         async def found() -> list[str]:
             hits = await client.call("search", query="Copy-Item codex-session.jsonl", mode="keyword",
@@ -414,9 +426,7 @@ async def test_a_call_the_session_ended_on_is_evidence(home: Path, sock_path: Pa
 
         assert (await client.call("workers_run", name="observer", session_id=session, final=False))["outcome"] == "ok"
         assert await found() == []
-        await client.call("hook", event="SessionEnd", agent="codex",
-                          raw=json.dumps({"session_id": session, "hook_event_name": "SessionEnd", "reason": "exit"}))
-        assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
+        await _ended(client, session)
         (text,) = await found()
         assert text.startswith("shell_command `") and NO_RESULT in text
 
@@ -427,14 +437,9 @@ async def test_asked_where_work_stopped_the_sessions_last_steps_answer(home: Pat
     asked where work stopped, the last steps of the session the best hits come from rank as a signal of their own."""
     monkeypatch.setenv("LOOMD_PASSIVE", "1")
     monkeypatch.setenv("LOOMD_EMBEDDER", "none")
-    path = need_test_data("transcripts", "kunalcode12-Empire-of-bits-vorld") / "codex-session.jsonl"
     async with serving(sock_path) as daemon, AsyncClient(sock_path) as client:
-        assert daemon.tailer is not None
-        (session,) = (await daemon.tailer.import_file(path))["sessions"]
-        project = (await client.call("events", session_id=session, limit=1))["events"][0]["project"]
-        await client.call("hook", event="SessionEnd", agent="codex",
-                          raw=json.dumps({"session_id": session, "hook_event_name": "SessionEnd", "reason": "exit"}))
-        assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
+        session, project = await _codex_export_session(daemon, client)
+        await _ended(client, session)
 
         async def top(query: str, **args: Any) -> list[str]:
             hits = await client.call("search", query=query, project=project, limit=3, explain=True, **args)

@@ -638,16 +638,26 @@ async def _answers(store: Store, asks: Sequence[tuple[str | None, int]]) -> dict
     """For each (session, the event of a user's ask): the event of the agent's last message before the user spoke
     again — the turn's answer. "User asked: can you write a balanced opinion?" is found by the question's words;
     what the agent wrote back is what a later agent wants (coding QA: all@5 .70 → .71)."""
-    found: dict[int, int] = {}
-    for session_id, asked in asks:
-        if session_id is None or asked in found:
+    found = await _rest_of_turn(store, asks, ("assistant_message", "Stop", "TurnComplete"), last=True, limit=1)
+    return {asked: said[0] for asked, said in found.items()}
+
+
+async def _rest_of_turn(store: Store, starts: Sequence[tuple[str | None, int]], kinds: Sequence[str], *,
+                        last: bool, limit: int) -> dict[int, tuple[int, ...]]:
+    """For each (session, an event): the events of the agent's messages (`kinds`) after it and before the user spoke
+    again, the first `limit` of them in order, or (`last`) the last ones, latest first."""
+    found: dict[int, tuple[int, ...]] = {}
+    marks = ",".join("?" * len(kinds))
+    for session_id, start in starts:
+        if session_id is None or start in found:
             continue
-        answer = await store.scalar(
-            "SELECT max(id) FROM events WHERE session_id = ?1 AND id > ?2 AND kind IN ('assistant_message', 'Stop',"
-            " 'TurnComplete') AND id < coalesce((SELECT min(id) FROM events WHERE session_id = ?1 AND id > ?2 AND"
-            " kind IN ('user_message', 'UserPromptSubmit')), 9223372036854775807)", (session_id, asked))
-        if answer is not None:
-            found[asked] = int(answer)
+        rows = await store.fetchall(
+            f"SELECT id FROM events WHERE session_id = ?1 AND id > ?2 AND kind IN ({marks}) AND id < coalesce((SELECT"
+            " min(id) FROM events WHERE session_id = ?1 AND id > ?2 AND kind IN ('user_message', 'UserPromptSubmit')),"
+            f" 9223372036854775807) ORDER BY id {'DESC' if last else 'ASC'} LIMIT ?",
+            [session_id, start, *kinds, limit])
+        if rows:
+            found[start] = tuple(int(r[0]) for r in rows)
     return found
 
 
@@ -678,18 +688,7 @@ async def _outcomes(store: Store, announced: Sequence[tuple[str | None, int]]) -
     """For each (session, the event of an announcing message): the events of the agent's next `OUTCOME_HOPS`
     messages before the user spoke again — what the tool calls it announced found (`_show_windows` keeps them up to
     the first that does not announce again)."""
-    found: dict[int, tuple[int, ...]] = {}
-    for session_id, said in announced:
-        if session_id is None or said in found:
-            continue
-        rows = await store.fetchall(
-            "SELECT id FROM events WHERE session_id = ?1 AND id > ?2 AND kind = 'assistant_message' AND id <"
-            " coalesce((SELECT min(id) FROM events WHERE session_id = ?1 AND id > ?2 AND"
-            " kind IN ('user_message', 'UserPromptSubmit')), 9223372036854775807) ORDER BY id LIMIT ?3",
-            (session_id, said, OUTCOME_HOPS))
-        if rows:
-            found[said] = tuple(int(r[0]) for r in rows)
-    return found
+    return await _rest_of_turn(store, announced, ("assistant_message",), last=False, limit=OUTCOME_HOPS)
 
 
 async def _steps(store: Store, events: Sequence[int]) -> dict[tuple[int, str], tuple[int, list[str]]]:
