@@ -214,12 +214,9 @@ def successor(text: str, kind: str, current: list[tuple[int, str, str]]) -> int 
     """The entry of the file's current version that an entry gone from it became: of the same kind, the one sharing
     the most words with it (a consolidated or reworded entry); None when the file holds none of its kind."""
     words = set(re.findall(r"\w+", text.lower()))
-    best: tuple[float, int] | None = None
-    for memory_id, new_kind, new_text in current:
-        if new_kind != kind:
-            continue
-        other = set(re.findall(r"\w+", new_text.lower()))
-        overlap = len(words & other) / max(1, len(words | other))
-        if best is None or overlap > best[0]:
-            best = (overlap, memory_id)
-    return best[1] if best else None
+    same = [(memory_id, set(re.findall(r"\w+", new_text.lower()))) for memory_id, new_kind, new_text in current
+            if new_kind == kind]
+    if not same:
+        return None
+    # The first of equals wins (max keeps the first).
+    return max(same, key=lambda c: len(words & c[1]) / max(1, len(words | c[1])))[0]

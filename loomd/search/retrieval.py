@@ -587,9 +587,9 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
               for e in sources.get(hit.memory["id"], ())[:1 if hit.memory["kind"] == "evidence" else MAX_SOURCE_STEPS]}
     # What an announcement ("…but let me check the specific test to understand:") led to: the agent's next message,
     # what the check found (coding QA dev set: templar-ci-08 8 -> 3, all@5 .74 -> .75, recall .53 -> .54).
-    announced = [(hit.memory["session_id"], start) for hit in hits
-                 if (start := _leads_on(hit, metas, sources)) is not None]
-    outcomes = await _outcomes(store, announced) if announced else {}
+    leads = {hit.memory["id"]: start for hit in hits if (start := _leads_on(hit, metas, sources)) is not None}
+    sessions = {hit.memory["id"]: hit.memory["session_id"] for hit in hits}
+    outcomes = await _outcomes(store, [(sessions[i], start) for i, start in leads.items()]) if leads else {}
     steps = await _steps(store, sorted(wanted | set(answers.values()) | {e for o in outcomes.values() for e in o})) \
         if wanted else {}
     # A message that announces again ("Let me check if there's a specific test…:") leads on to the next one.
@@ -610,7 +610,7 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
             if passages > 1 or len(hit.memory["text"]) > room:
                 hit.memory["text"] = best_windows(head, lines, holds, room)
         own = hit.memory["text"]
-        led = _leads_on(hit, metas, sources)
+        led = leads.get(memory_id)
         outcome = tuple(e for e in outcomes.get(led, ()) if e not in cited) if led is not None else ()
         if outcome and hit.memory["kind"] == "evidence":
             hit.memory["text"] = _with_source_lines(own, outcome, steps, holds, room)
