@@ -167,7 +167,9 @@ async def test_a_prompt_recall_shows_a_window_of_each_step_within_its_share(clie
     assert (await client.call("workers_run", name="observer", session_id=session, final=True))["outcome"] == "ok"
     project = (await client.call("events", session_id=session, limit=1))["events"][0]["project"]
     line = _deep_line(path)
-    reply = await client.call("context", kind="prompt", session_id="a-later-session", project=project, prompt=line)
+    # Asked about: a recall answers questions (context/relevance.py).
+    reply = await client.call("context", kind="prompt", session_id="a-later-session", project=project,
+                              prompt=f"where did we see {line}?")
     block = reply["text"]
     cfg = daemon.config
     assert block and len(block) <= cfg.prompt_block_chars

@@ -204,10 +204,11 @@ def test_a_sessions_page_shows_every_block_it_was_given(viewer: Viewer, browser:
         return str(json.loads(reply["stdout"])["hookSpecificOutput"]["additionalContext"])
 
     shown = {"SessionStart": hook("SessionStart", source="startup")}
-    # A prompt that quotes a passage of the earlier session (evidence: never in a start block, so not held back as
-    # shown already).
+    # A question that quotes a passage of the earlier session (evidence: never in a start block, so not held back as
+    # shown already; a recall answers questions, context/relevance.py).
     asked = viewer.call("memories", project=viewer.project, kind="evidence", limit=1)["memories"][0]
-    shown["UserPromptSubmit"] = hook("UserPromptSubmit", prompt=asked["text"][:300])
+    quoted = " ".join(asked["text"][:150].split())  # a part: a hit that only says the prompt back is not shown
+    shown["UserPromptSubmit"] = hook("UserPromptSubmit", prompt=f"where did the earlier session see {quoted}?")
     deadline = time.monotonic() + 10  # the record commits after the hook's answer, off the agent's path
     while len(blocks := viewer.call("session", session_id=later)["blocks"]) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

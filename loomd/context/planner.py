@@ -4,16 +4,15 @@ session, tracks what was injected, recalls per prompt. Rendering is `render.py`'
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from loomd.config import Config
+from loomd.context.relevance import asks_memory, recalled
 from loomd.context.render import (
     START_GROUPS,
     Line,
@@ -28,9 +27,9 @@ from loomd.context.render import (
 )
 from loomd.ingest.events import Event
 from loomd.ingest.project import project_folder
-from loomd.search.retrieval import Hit, covered_terms
+from loomd.ingest.sentences import clean_user_text
+from loomd.search.retrieval import Hit
 from loomd.store.db import Store
-from loomd.store.entities import extract_entities
 from loomd.store.tasks import OPEN_STATES
 
 log = logging.getLogger(__name__)
@@ -42,49 +41,9 @@ _NAME = re.compile(r"[a-z_]+")
 ASK_SESSIONS = 3  # the project's newest sessions whose user asks the start block shows
 ASK_LINES = 3
 PROMPT_FTS_BUDGET = 2000  # memories the prompt hook's full-text query may score (retrieval.prune_terms)
-KEYWORD_TOP = 3  # without a cosine, only the best few keyword hits are candidates at all
 FOLLOW_UP_TIMEOUT_S = 10.0
 MAX_FOLLOW_UPS = 256  # sessions with a semantic recall waiting for its tool result
-
-
-def relevant(hit: Hit, min_score: float, prompt: str) -> bool:
-    """Inject a hit only when the meaning matches: a close vector, or a keyword hit that is not far off.
-
-    Without a cosine (the keyword recall, or no embedder) a hit must be a top keyword hit that names one of the
-    prompt's entities or holds most of the prompt's words.
-    """
-    vec, fts = hit.signals.get("vec"), hit.signals.get("fts")
-    if vec is not None:
-        return vec.score >= min_score or (fts is not None and vec.score >= min_score - 0.15)
-    if fts is None or fts.rank > KEYWORD_TOP:
-        return False
-    text = hit.memory["text"]
-    if prompt_entities(prompt) & {name for name, _ in extract_entities(text)}:
-        return True
-    held, terms = covered_terms(prompt, text)
-    return terms > 0 and held >= min(terms, max(2, min(5, math.ceil(0.4 * terms))))
-
-
-def recalled(hits: list[Hit], min_score: float, prompt: str) -> list[Hit]:
-    """The hits a prompt's block shows, in the search's order: each `relevant` one and, once one is (the prompt is
-    about something stored: nothing rather than noise), each keyword hit without a cosine when the vector signal
-    answered for the others.
-
-    With thousands of passages the vector signal's candidates are a small share of the store: a passage outside
-    them is not far in meaning, it was ranked by its words, and the fusion put it among the prompt's best hits. A
-    keyword-only recall (or no embedder) has no cosine for any hit: there each hit still needs `relevant`."""
-    shown = [relevant(h, min_score, prompt) for h in hits]
-    if not any(shown):
-        return []
-    cosines = any("vec" in h.signals for h in hits)
-    return [h for h, ok in zip(hits, shown, strict=True)
-            if ok or (cosines and "vec" not in h.signals and "fts" in h.signals)]
-
-
-@functools.lru_cache(maxsize=64)
-def prompt_entities(prompt: str) -> frozenset[str]:
-    """The prompt's entity names (asked once per hit, so kept for the few prompts in flight)."""
-    return frozenset(name for name, _ in extract_entities(prompt))
+MIN_FOLLOW_UP = 200  # characters a prompt's block must have left for its follow-up to be searched for
 
 
 class Planner:
@@ -101,6 +60,7 @@ class Planner:
         self.search = search
         self.semantic = semantic  # whether vector search can answer now
         self._follow_ups: dict[str, asyncio.Task[list[Line]]] = {}
+        self._follow_up_room: dict[str, int] = {}  # what the prompt's hook block left of its budget
         # Injected ids whose write has not committed yet: already part of the session's set for the next recall.
         self._marking: dict[str, list[int]] = {}
         self._freezing: dict[str, str] = {}  # start blocks rendered, not committed yet
@@ -139,32 +99,38 @@ class Planner:
             return ""
         if event.kind not in ("PostToolUse", "PostToolUseFailure"):
             return ""
+        cfg = self.config()
         task = self._follow_ups.get(event.session_id)
         if task is None or not task.done():
             return ""  # still searching: the next tool result gets it, the agent never waits
         del self._follow_ups[event.session_id]
+        room = self._follow_up_room.pop(event.session_id, cfg.prompt_block_chars)
         if task.cancelled() or task.exception() is not None:
             if not task.cancelled():
                 log.warning("follow-up recall for session %s failed: %r", event.session_id, task.exception())
             return ""
         seen = await self._injected(event.session_id)
         lines = [line for line in task.result() if line.id not in seen]
-        cfg = self.config()
-        text, ids = render_recall_block(lines, cfg.prompt_block_chars, cfg.prompt_block_lines)
+        text, ids = render_recall_block(lines, room, cfg.prompt_block_lines)
         self._mark_later(event.session_id, ids, written, block=("follow-up", text))
         return hook_output(event.kind, text)
 
     def _drop_follow_up(self, session_id: str) -> None:
+        self._follow_up_room.pop(session_id, None)
         task = self._follow_ups.pop(session_id, None)
         if task is not None:
             task.cancel()
 
-    def _follow_up(self, session_id: str, project: str, prompt: str) -> None:
-        """The prompt's hybrid search, in the background; replaces the session's previous one."""
+    def _follow_up(self, session_id: str, project: str, prompt: str, room: int) -> None:
+        """The prompt's hybrid search, in the background, for `room` characters (none: no search); replaces the
+        session's previous one."""
         self._drop_follow_up(session_id)
+        if room < MIN_FOLLOW_UP:
+            return
         while len(self._follow_ups) >= MAX_FOLLOW_UPS:  # sessions that never made a tool call
             self._drop_follow_up(next(iter(self._follow_ups)))
         self._follow_ups[session_id] = asyncio.create_task(self._search_later(session_id, project, prompt))
+        self._follow_up_room[session_id] = room
 
     async def _search_later(self, session_id: str, project: str, prompt: str) -> list[Line]:
         await asyncio.sleep(0)  # the hook's reply goes out first: the agent is waiting for it
@@ -257,21 +223,25 @@ class Planner:
     async def recall(
         self, session_id: str, project: str, prompt: str, inline: bool = True, written: Awaitable[Any] | None = None,
     ) -> tuple[str, list[int]]:
-        """Relevant memories for a prompt that this session has not seen yet; nothing rather than noise.
+        """Relevant memories for a prompt that this session has not seen yet; nothing rather than noise: only a
+        prompt that asks something memory can answer gets a block (`relevance.py`).
 
         `inline`: the hybrid search, waited for. Otherwise the keyword recall now and the hybrid search as a
-        follow-up for the next tool result (when vectors can answer at all)."""
-        if is_trivial(prompt):
+        follow-up for the next tool result (when vectors can answer at all), within what the hook's block left of
+        the prompt's budget."""
+        said = clean_user_text(prompt)  # what the user asked, not a slash command's echo or the IDE's note
+        if is_trivial(said) or not asks_memory(said):
             self._drop_follow_up(session_id)
             return "", []
         cfg = self.config()
         deferred = not inline and self.semantic()
         seen, lines = await asyncio.gather(self._injected(session_id),
-                                           self._recall_lines(session_id, project, prompt, keyword_only=deferred))
-        if deferred:  # started after the keyword recall, whose reads it would otherwise queue behind
-            self._follow_up(session_id, project, prompt)
+                                           self._recall_lines(session_id, project, said, keyword_only=deferred))
         text, ids = render_recall_block([line for line in lines if line.id not in seen], cfg.prompt_block_chars,
                                         cfg.prompt_block_lines)
+        left = cfg.prompt_block_chars - len(text)
+        if deferred:  # started after the keyword recall, whose reads it would otherwise queue behind
+            self._follow_up(session_id, project, said, left)
         self._mark_later(session_id, ids, written, block=("prompt", text))
         return text, ids
 

@@ -13,7 +13,7 @@ its 13 projects): every nonsense hit's cosine was <= 0.285, the answering hits' 
 share of 0.5 the floor cut 3 of 171 answering hits and every nonsense hit that held none of the query's words.
 
 The search op applies it on request (`floor`): `loom search` asks for it, the hooks and benchmarks do not (the
-prompt recall has its own, stricter test in context/planner.py).
+prompt recall has its own, stricter test in context/relevance.py).
 """
 
 from __future__ import annotations
