@@ -18,7 +18,7 @@ import aiosqlite
 
 from loomd.errors import ExtensionError, StorageError
 from loomd.store.migrations import MIGRATIONS
-from loomd.store.turns import WriteTurns
+from loomd.store.turns import Holds, WriteTurns
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,11 @@ class Store:
             await writer.close()
             raise
         return cls(path, writer, reader)
+
+    @property
+    def holds(self) -> Holds:
+        """How long each holder kept the writer (`status`)."""
+        return self._write_lock.holds
 
     @property
     def write_waiting(self) -> int:
