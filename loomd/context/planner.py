@@ -13,6 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiosqlite
+
 from loomd.config import Config
 from loomd.context.render import (
     START_GROUPS,
@@ -32,6 +34,7 @@ from loomd.search.retrieval import Hit, covered_terms
 from loomd.store.db import Store
 from loomd.store.entities import extract_entities
 from loomd.store.tasks import OPEN_STATES
+from loomd.store.trip import in_one_trip
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +217,8 @@ class Planner:
         block: tuple[str, str] | None = None,
     ) -> None:
         await _durable(written)
-        async with self.store.atomic() as db:  # one commit: the block frozen, recorded and its ids marked together
+
+        async def note(db: aiosqlite.Connection) -> None:
             if freeze is not None:
                 await db.execute("UPDATE sessions SET start_block = ? WHERE id = ? AND start_block IS NULL",
                                  (freeze, session_id))
@@ -222,6 +226,9 @@ class Planner:
                 await db.execute("INSERT INTO injections (session_id, ts, kind, text) VALUES (?, ?, ?, ?)",
                                  (session_id, time.time(), *block))
             await _mark(db, session_id, ids)
+
+        async with self.store.atomic() as db:  # one commit: the block frozen, recorded and its ids marked together
+            await in_one_trip(db, note)  # the writer held for the statements alone (hooks' commits wait behind it)
 
     async def start(
         self, session_id: str, project: str, agent: str, written: Awaitable[Any] | None = None,
