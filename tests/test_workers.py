@@ -919,7 +919,7 @@ def test_a_chunk_commits_its_passages_apart_and_a_kill_between_them_doubles_noth
         recovered, fresh = observed_state(home / "loomd.db"), observed_state(clean_home / "loomd.db")
     finally:
         shutil.rmtree(clean_home, ignore_errors=True)
-    assert recovered == fresh and recovered["watermark"] == str(max(ids))
+    assert recovered == fresh and recovered["watermark"] == (str(max(ids)),)
     assert recovered["doubled"] == [] and len(recovered["evidence"]) == passages
 
 
@@ -937,6 +937,66 @@ def observed_state(db: Path) -> dict[str, Any]:
         return {"observation": texts("observation"), "evidence": texts("evidence"),
                 "doubled": conn.execute("SELECT session_id, kind, content_hash FROM memories WHERE archived_at IS NULL"
                                         " GROUP BY 1, 2, 3 HAVING count(*) > 1").fetchall(),
-                "watermark": conn.execute("SELECT value FROM checkpoints WHERE name = 'observer:p1'").fetchone()[0]}
+                "watermark": tuple(conn.execute("SELECT value FROM checkpoints WHERE name = 'observer:p1'").fetchone()
+                                   or ()),
+                "watermarks": sorted(tuple(r) for r in conn.execute(
+                    "SELECT name, value FROM checkpoints WHERE name LIKE 'observer:%'"))}
     finally:
         conn.close()
+
+
+def ended_session(session: str, t0: float) -> list[dict[str, Any]]:
+    """A short ended session whose texts are its own (no passage of it is another session's too)."""
+    events: list[dict[str, Any]] = [user(session, f"From now on never push to main in {session}, open a pull request.",
+                                         t0)]
+    for n in range(6):
+        events += [assistant(session, f"Next I check parser module {n} of {session} for the retry regression.",
+                             t0 + 1 + 3 * n),
+                   *shell(session, f"pytest tests/{session}/test_parser_{n}.py",
+                          f"=== {n + 3} passed in 0.{n}s ({session}) ===", t0 + 2 + 3 * n)]
+    return [*events, ev(session, "SessionEnd", {"reason": "other"}, t0 + 30)]
+
+
+@pytest.mark.slow
+def test_kill_9_during_the_catch_up_then_restart_gives_a_clean_runs_memories(daemon_process, home: Path) -> None:
+    """The scheduled workers catching up on ended sessions, killed -9 halfway: restarted, they finish with what a
+    daemon never killed writes, nothing doubled."""
+    sessions = [f"cu{n}" for n in range(10)]
+    events = [e for n, s in enumerate(sessions) for e in ended_session(s, 1_700_000_000 + 100 * n)]
+    env = {"LOOMD_PASSIVE": "0", "LOOMD_TAIL_TRANSCRIPTS": "0", "LOOMD_EMBEDDER": "none"}
+    conn = connect_sync(home / "loomd.db")  # created and migrated by the first daemon below
+    proc = daemon_process(env).start()
+    conn.execute(SLOW_TRIGGER)  # each observation takes a while: the catch-up lasts long enough to be cut
+    with Client(proc.sock, timeout=30) as c:
+        c.call("ingest", events=events)  # each SessionEnd wakes the observer
+
+    def observed() -> int:
+        return int(conn.execute("SELECT count(*) FROM checkpoints WHERE name LIKE 'observer:%'").fetchone()[0])
+
+    deadline = time.monotonic() + 60
+    while observed() < 2:
+        assert time.monotonic() < deadline, "the observer did not catch up on its own"
+        time.sleep(0.005)
+    assert proc.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert observed() < len(sessions)  # cut halfway
+    conn.execute("DROP TRIGGER slow_obs")
+    conn.close()
+    proc2 = daemon_process(env).start()
+    with Client(proc2.sock, timeout=30) as c:
+        for session in sessions:  # what the scheduler has not done yet (it may be doing it now: that run waits)
+            assert c.call("workers_run", name="observer", session_id=session)["outcome"] in ("ok", "noop")
+    assert proc2.stop(signal.SIGTERM) == 0
+    clean_home = Path(tempfile.mkdtemp(prefix="lm", dir="/tmp"))
+    try:
+        clean = DaemonProcess(clean_home, {**env, "LOOMD_PASSIVE": "1"}).start()
+        with Client(clean.sock, timeout=30) as c:
+            c.call("ingest", events=events)
+            for session in sessions:
+                assert c.call("workers_run", name="observer", session_id=session)["outcome"] == "ok"
+        assert clean.stop(signal.SIGTERM) == 0
+        recovered, fresh = observed_state(home / "loomd.db"), observed_state(clean_home / "loomd.db")
+    finally:
+        shutil.rmtree(clean_home, ignore_errors=True)
+    assert recovered["doubled"] == []
+    assert recovered["observation"] == fresh["observation"] and recovered["evidence"] == fresh["evidence"]
+    assert recovered["watermarks"] == fresh["watermarks"]
