@@ -286,6 +286,39 @@ async def test_cancelled_run_keeps_nothing_and_reruns_to_the_same_result(monkeyp
         assert again["outcome"] == "ok" and essence(again["output"]) == essence(reference["output"])
 
 
+def observe_in_background(sock: Path, session: str) -> tuple[threading.Thread, list[BaseException]]:
+    """`workers_run observer` for `session` on a thread; what the call raised (the daemon killed under it) in the
+    list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with Client(sock, timeout=30) as c:
+                c.call("workers_run", name="observer", session_id=session)
+        except BaseException as exc:  # noqa: BLE001 - the daemon dies under this call on purpose
+            errors.append(exc)
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    return caller, errors
+
+
+def wait_for_an_open_write(db: Path, deadline: float, failure: str) -> None:
+    """Until the daemon holds the database's write lock (one of its write transactions is open)."""
+    probe = sqlite3.connect(db, timeout=0)
+    try:
+        while True:
+            try:
+                probe.execute("BEGIN IMMEDIATE")
+                probe.execute("ROLLBACK")
+            except sqlite3.OperationalError:
+                return
+            assert time.monotonic() < deadline, failure
+            time.sleep(0.005)
+    finally:
+        probe.close()
+
+
 @pytest.mark.slow
 def test_kill_9_mid_run_keeps_nothing_and_reruns_to_the_same_result(daemon_process, home: Path) -> None:
     env = {"LOOMD_PASSIVE": "1", "LOOMD_TAIL_TRANSCRIPTS": "0", "LOOMD_EMBEDDER": "none"}
@@ -295,31 +328,12 @@ def test_kill_9_mid_run_keeps_nothing_and_reruns_to_the_same_result(daemon_proce
         reference = c.call("workers_run", name="observer", session_id="k1", dry_run=True)
     conn = connect_sync(home / "loomd.db")
     conn.execute(SLOW_TRIGGER)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            with Client(proc.sock, timeout=30) as c:
-                c.call("workers_run", name="observer", session_id="k1")
-        except BaseException as exc:  # noqa: BLE001 - the daemon dies under this call on purpose
-            errors.append(exc)
-
-    caller = threading.Thread(target=run)
-    caller.start()
+    caller, errors = observe_in_background(proc.sock, "k1")
     deadline = time.monotonic() + 10
     while not conn.execute("SELECT count(*) FROM jobs WHERE outcome = 'running'").fetchone()[0]:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    probe = sqlite3.connect(home / "loomd.db", timeout=0)
-    while True:  # wait until the daemon holds the write lock: its output transaction is open
-        try:
-            probe.execute("BEGIN IMMEDIATE")
-            probe.execute("ROLLBACK")
-        except sqlite3.OperationalError:
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    probe.close()
+    wait_for_an_open_write(home / "loomd.db", deadline, "the run's output transaction never opened")
     time.sleep(0.1)
     assert proc.stop(signal.SIGKILL) == -signal.SIGKILL
     caller.join(10)
@@ -869,34 +883,16 @@ def test_a_chunk_commits_its_passages_apart_and_a_kill_between_them_doubles_noth
     assert passages > PASSAGES_PER_WRITE  # more than one part
     conn = connect_sync(home / "loomd.db")
     conn.execute(SLOW_TRIGGER)  # the observations' part is slow: the kill lands in it
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            with Client(proc.sock, timeout=30) as c:
-                c.call("workers_run", name="observer", session_id="p1")
-        except BaseException as exc:  # noqa: BLE001 - the daemon dies under this call on purpose
-            errors.append(exc)
-
     def count(kind: str) -> int:
         return int(conn.execute("SELECT count(*) FROM memories WHERE kind = ?", (kind,)).fetchone()[0])
 
-    caller = threading.Thread(target=run)
-    caller.start()
+    caller, errors = observe_in_background(proc.sock, "p1")
     deadline = time.monotonic() + 20
     while count("evidence") < passages:  # every passage part committed, seen from another connection
         assert time.monotonic() < deadline, "the chunk's passages were not committed before its observations"
         time.sleep(0.005)
-    probe = sqlite3.connect(home / "loomd.db", timeout=0)
-    while True:  # and the observations' transaction open
-        try:
-            probe.execute("BEGIN IMMEDIATE")
-            probe.execute("ROLLBACK")
-        except sqlite3.OperationalError:
-            break
-        assert time.monotonic() < deadline, "the passages were committed with the observations, not before"
-        time.sleep(0.005)
-    probe.close()
+    # and the observations' transaction open
+    wait_for_an_open_write(home / "loomd.db", deadline, "the passages were committed with the observations")
     assert proc.stop(signal.SIGKILL) == -signal.SIGKILL
     caller.join(10)
     assert errors  # the call never got its answer
