@@ -34,7 +34,7 @@ from loomd.search.retrieval import Hit, covered_terms
 from loomd.store.db import Store
 from loomd.store.entities import extract_entities
 from loomd.store.tasks import OPEN_STATES
-from loomd.store.trip import in_one_trip
+from loomd.store.trip import commit_in_one_trip
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +227,9 @@ class Planner:
                                  (session_id, time.time(), *block))
             await _mark(db, session_id, ids)
 
-        async with self.store.atomic() as db:  # one commit: the block frozen, recorded and its ids marked together
-            await in_one_trip(db, note)  # the writer held for the statements alone (hooks' commits wait behind it)
+        # One commit: the block frozen, recorded and its ids marked together; one trip to the writer's thread, so
+        # the writer (hooks' commits wait behind it) is held for the statements alone.
+        await commit_in_one_trip(self.store, note)
 
     async def start(
         self, session_id: str, project: str, agent: str, written: Awaitable[Any] | None = None,

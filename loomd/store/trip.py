@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import aiosqlite
 
-from loomd.store.db import on_thread
+from loomd.store.db import Store, on_thread
 
 T = TypeVar("T")
 
@@ -104,3 +104,10 @@ async def in_one_trip(db: aiosqlite.Connection, body: Callable[[aiosqlite.Connec
     with what it returns). A caller cancelled meanwhile leaves it to finish there; its transaction's ROLLBACK
     queues behind it, as behind any statement."""
     return await on_thread(db, functools.partial(run_through, body))
+
+
+async def commit_in_one_trip(store: Store, body: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
+    """`body` in a write transaction of its own, BEGIN, body and COMMIT in one trip to the writer's thread
+    (`Store.commit_on_thread`): the writer is held for its statements alone."""
+    result, _ = await store.commit_on_thread(functools.partial(run_through, body))
+    return result

@@ -19,7 +19,7 @@ from loomd.errors import ChildDied, EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
 from loomd.offload import Offload, lower_thread_priority
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
-from loomd.store.trip import in_one_trip
+from loomd.store.trip import commit_in_one_trip
 from loomd.store.turns import HOLDER
 from loomd.vectors.backfill import BATCH, Backlog, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
 from loomd.vectors.embed import (
@@ -270,8 +270,7 @@ class VectorService:
         plan = await asyncio.get_running_loop().run_in_executor(self._bulk, self._plan)
         if plan is None:
             return True
-        async with self.store.atomic() as db:
-            await in_one_trip(db, functools.partial(apply_plan, plan=plan))  # the writer held for the statements
+        await commit_in_one_trip(self.store, functools.partial(apply_plan, plan=plan))  # held for the statements
         # Recounting recurrence touches every partner's pairs: small transactions, so ingest never waits long.
         affected = sorted(plan.recurrence)
         for start in range(0, len(affected), RECOUNT_CHUNK):

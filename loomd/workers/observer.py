@@ -20,7 +20,6 @@ from loomd.errors import ModelError
 from loomd.redact import redact_text
 from loomd.store.derived import Mentions, mentioned, write_derived
 from loomd.store.memories import insert_memory, supersede
-from loomd.store.trip import in_one_trip
 from loomd.workers.base import (
     RunReport,
     RunRequest,
@@ -81,7 +80,7 @@ def watermark_name(session_id: str) -> str:
 class Chunk:
     """A chunk's output, worked out before any transaction, and how it is written: its evidence passages in parts
     of PASSAGES_PER_WRITE, then its observations with the watermark (`parts`). Each part awaits only `db`
-    (`store.trip.in_one_trip` runs it on the writer's thread) and commits on its own, so the writer is handed on
+    (`store.trip` runs it on the writer's thread) and commits on its own, so the writer is handed on
     between them; a live hook's commit then waits behind one part, not a whole chunk (30-120 ms after an import).
 
     A crash between the parts loses nothing and doubles nothing: each passage part commits its passages with what
@@ -146,18 +145,19 @@ class Observer:
         self.failed: set[str] = set()  # sessions whose observation raised (their traceback is logged once)
 
     async def _write(self, ctx: WorkerContext, chunk: Chunk, dry_run: bool) -> list[list[tuple[int, bool]]]:
-        """The chunk's parts, each in a transaction of its own and in one trip to the writer's thread; a dry run's
-        in one transaction, rolled back, so that each part sees what the ones before it would have written."""
+        """The chunk's parts, each a transaction of its own in one trip to the writer's thread; a dry run's in one
+        transaction, rolled back, so that each part sees what the ones before it would have written."""
+        if dry_run:
+            async def every_part(db: aiosqlite.Connection) -> list[list[tuple[int, bool]]]:
+                return [await part(db) for part in chunk.parts()]
+
+            return await ctx.commit(dry_run, every_part)
         out: list[list[tuple[int, bool]]] = []
-        groups = [chunk.parts()] if dry_run else [[part] for part in chunk.parts()]
-        for group in groups:
-            async with ctx.write(dry_run) as db:
-                for part in group:
-                    written = await in_one_trip(db, part)
-                    new = [memory_id for memory_id, is_new in written if is_new]
-                    if new and chunk.derive:
-                        ctx.memories.mark_stale(new)  # before COMMIT, as `derive` does
-                    out.append(written)
+        for part in chunk.parts():
+            written = await ctx.commit(dry_run, part)
+            if new := [memory_id for memory_id, is_new in written if is_new]:
+                ctx.memories.mark_stale(new)  # for the back-fill
+            out.append(written)
         return out
 
     async def due_sessions(self, ctx: WorkerContext, woken: frozenset[str]) -> list[str]:

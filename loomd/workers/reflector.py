@@ -29,7 +29,6 @@ import aiosqlite
 
 from loomd.store.derived import write_derived
 from loomd.store.memories import content_hash, insert_memory
-from loomd.store.trip import in_one_trip
 from loomd.vectors.embed import from_blob
 from loomd.workers.base import (
     REFLECTION_KINDS,
@@ -210,14 +209,12 @@ class Reflector:
         for project in projects:
             wrote = 0
             while True:
-                async with ctx.write(req.dry_run) as db:
-                    # The chunk, its reads and its matching, in one trip to the writer's thread: the writer is held
-                    # for that work alone, not for a hundred trips each waiting for the event loop's turn too.
-                    changed, seen, new_ids = await in_one_trip(
-                        db, functools.partial(self.reflect, ctx, project=project, report=report,
-                                              dry_run=req.dry_run))
-                    if new_ids and not req.dry_run:
-                        ctx.memories.mark_stale(new_ids)  # before COMMIT, as `derive` does
+                # The chunk, its reads and its matching, in one trip to the writer's thread: the writer is held
+                # for that work alone, not for a hundred trips each waiting for the event loop's turn too.
+                changed, seen, new_ids = await ctx.commit(req.dry_run, functools.partial(
+                    self.reflect, ctx, project=project, report=report, dry_run=req.dry_run))
+                if new_ids and not req.dry_run:
+                    ctx.memories.mark_stale(new_ids)  # for the back-fill
                 wrote += changed
                 if req.dry_run or seen < MAX_OBSERVATIONS:
                     break
