@@ -16,8 +16,18 @@ history (bench/import.py's) into the same daemon, embedder and workers on: every
 import, the back-fill and the workers. The report says whether the import ran through the whole measurement and
 how many hooks the shim spooled (a UserPromptSubmit spooled missed its context deadline).
 
+`--background-catchup N`: the same import, waited for, then the daemon-up side is measured while the daemon
+catches up on it (the back-fill embeds, the workers observe and reflect: what an import leaves to do). The report
+says what was left at the end. Give `--daemon-config observe_idle_s=5` for the observer to take every imported
+session at once (the default waits until a session has been quiet 10 minutes, as a live one would).
+
+Every daemon-up report has `writer_holds`: per holder (live hook commits, import slices, each worker, the
+back-fill), how long its transactions held the one writer connection (`status`'s `writer`), which a hook's
+commit waits behind.
+
     python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
                           [--gap-ms MS] [--daemon-config KEY=VALUE ...] [--background-import N]
+                          [--background-catchup N]
 """
 
 from __future__ import annotations
@@ -324,6 +334,10 @@ class BackgroundImport:
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
 
+    def wait(self) -> None:
+        """Until the import is done (the catch-up variant measures what follows it)."""
+        self.proc.wait(timeout=3600)
+
     def finish(self) -> dict[str, Any]:
         """Called when the measurement ends: whether the import was still running, then its result."""
         running = self.proc.poll() is None
@@ -331,6 +345,22 @@ class BackgroundImport:
         result = json.loads(out) if self.proc.returncode == 0 and out.strip() else {"error": err[-500:]}
         return {"history": self.history, "ran_through_measurement": running, "stored": result.get("stored"),
                 "seconds": round(time.monotonic() - self.started, 1)}
+
+
+def catchup(home: Path) -> dict[str, Any]:
+    """How far the daemon has caught up: vectors embedded and pending, events observed (the observer's watermarks)."""
+    from loomd.store.db import connect_sync
+
+    embedder = call(home, "status")["embedder"]
+    conn = connect_sync(home / "loomd.db")
+    try:
+        events, observed = conn.execute(
+            "SELECT count(*), coalesce(sum(e.id <= coalesce(CAST(c.value AS INTEGER), 0)), 0) FROM events e"
+            " LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id").fetchone()
+    finally:
+        conn.close()
+    return {"embedded": embedder.get("embedded"), "vectors_pending": embedder.get("pending"),
+            "backfill_caught_up": embedder.get("caught_up"), "events": events, "observed": observed}
 
 
 def machine() -> dict[str, Any]:
@@ -362,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a TOML line for the daemon's config file, e.g. prompt_semantic_inline=true (repeatable)")
     parser.add_argument("--background-import", type=int, default=0, metavar="N",
                         help="run `loom import` of an N-event synthetic history while the daemon-up side is measured")
+    parser.add_argument("--background-catchup", type=int, default=0, metavar="N",
+                        help="import an N-event synthetic history first, then measure while the daemon catches up")
     opts = parser.parse_args(argv)
     runs = opts.runs or (30 if opts.quick else 200)
     python = str(Path(opts.python).absolute())  # never resolve symlinks: a venv's python must stay the venv's
@@ -431,10 +463,16 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     call(up_home, "store", text="Use uv for every dependency change, never pip", kind="constraint",
                          cwd=PROJECT)
-                    background = (BackgroundImport(root / "history", up_home, opts.background_import)
-                                  if opts.background_import else None)
+                    size = opts.background_import or opts.background_catchup
+                    background = BackgroundImport(root / "history", up_home, size) if size else None
+                    if background is not None and opts.background_catchup:
+                        background.wait()
+                        before = catchup(up_home)
                     up = measure(variants, runs, opts.gap_ms)
-                    if background is not None:
+                    if background is not None and opts.background_catchup:
+                        report["up"] = {"background_catchup": {**background.finish(), "at_start": before,
+                                                               "at_end": catchup(up_home)}}
+                    elif background is not None:
                         report["up"] = {"background_import": background.finish()}
                     report["up"] = {**report.get("up", {}),
                                     "baselines": {k: up[k] for k in baselines(python, first)},
@@ -445,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                     status = call(up_home, "status")
                     report["up"]["daemon_counts"] = status.get("counts")
                     report["up"]["spool_backlog"] = status.get("spool_backlog")
+                    report["up"]["writer_holds"] = (status.get("writer") or {}).get("holds")
                     log = up_home / "hook.log"
                     lines = log.read_text().splitlines() if log.exists() else []
                     report["up"]["hook_log_lines"] = len(lines)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
+import shutil
 import signal
 import sqlite3
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +19,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import need_test_data, serving
+from conftest import DaemonProcess, need_test_data, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +29,7 @@ from loomd.daemon import Daemon
 from loomd.ingest.reading import CLIP_CHARS, CODE_SLACK
 from loomd.store.db import connect_sync
 from loomd.workers.digest import budgets, render_digest
-from loomd.workers.observer import CHUNK_EVENTS
+from loomd.workers.observer import CHUNK_EVENTS, PASSAGES_PER_WRITE
 from loomd.workers.rules import observe
 from loomd.workers.steps import SourceEvent
 
@@ -283,6 +286,39 @@ async def test_cancelled_run_keeps_nothing_and_reruns_to_the_same_result(monkeyp
         assert again["outcome"] == "ok" and essence(again["output"]) == essence(reference["output"])
 
 
+def observe_in_background(sock: Path, session: str) -> tuple[threading.Thread, list[BaseException]]:
+    """`workers_run observer` for `session` on a thread; what the call raised (the daemon killed under it) in the
+    list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with Client(sock, timeout=30) as c:
+                c.call("workers_run", name="observer", session_id=session)
+        except BaseException as exc:  # noqa: BLE001 - the daemon dies under this call on purpose
+            errors.append(exc)
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    return caller, errors
+
+
+def wait_for_an_open_write(db: Path, deadline: float, failure: str) -> None:
+    """Until the daemon holds the database's write lock (one of its write transactions is open)."""
+    probe = sqlite3.connect(db, timeout=0)
+    try:
+        while True:
+            try:
+                probe.execute("BEGIN IMMEDIATE")
+                probe.execute("ROLLBACK")
+            except sqlite3.OperationalError:
+                return
+            assert time.monotonic() < deadline, failure
+            time.sleep(0.005)
+    finally:
+        probe.close()
+
+
 @pytest.mark.slow
 def test_kill_9_mid_run_keeps_nothing_and_reruns_to_the_same_result(daemon_process, home: Path) -> None:
     env = {"LOOMD_PASSIVE": "1", "LOOMD_TAIL_TRANSCRIPTS": "0", "LOOMD_EMBEDDER": "none"}
@@ -292,31 +328,12 @@ def test_kill_9_mid_run_keeps_nothing_and_reruns_to_the_same_result(daemon_proce
         reference = c.call("workers_run", name="observer", session_id="k1", dry_run=True)
     conn = connect_sync(home / "loomd.db")
     conn.execute(SLOW_TRIGGER)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            with Client(proc.sock, timeout=30) as c:
-                c.call("workers_run", name="observer", session_id="k1")
-        except BaseException as exc:  # noqa: BLE001 - the daemon dies under this call on purpose
-            errors.append(exc)
-
-    caller = threading.Thread(target=run)
-    caller.start()
+    caller, errors = observe_in_background(proc.sock, "k1")
     deadline = time.monotonic() + 10
     while not conn.execute("SELECT count(*) FROM jobs WHERE outcome = 'running'").fetchone()[0]:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    probe = sqlite3.connect(home / "loomd.db", timeout=0)
-    while True:  # wait until the daemon holds the write lock: its output transaction is open
-        try:
-            probe.execute("BEGIN IMMEDIATE")
-            probe.execute("ROLLBACK")
-        except sqlite3.OperationalError:
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    probe.close()
+    wait_for_an_open_write(home / "loomd.db", deadline, "the run's output transaction never opened")
     time.sleep(0.1)
     assert proc.stop(signal.SIGKILL) == -signal.SIGKILL
     caller.join(10)
@@ -825,3 +842,157 @@ def test_a_project_table_may_set_only_what_a_project_owns(tmp_path: Path) -> Non
     (tmp_path / "config.toml").write_text('project = "proj-w"\n')
     with pytest.raises(BadRequest, match=r"\[project\] must hold tables"):
         load_config({"LOOMD_HOME": str(tmp_path)})
+
+
+async def test_status_says_how_long_each_holder_kept_the_writer(monkeypatch, home) -> None:
+    async with loomd(monkeypatch, home) as (d, client):
+        await ingest(client, long_session("h1", 1_700_000_000))
+        run = await client.call("workers_run", name="observer", session_id="h1")
+        holds = (await client.call("status"))["writer"]["holds"]
+    passages = run["detail"]["evidence"]
+    assert holds["events:live"]["n"] >= 1
+    # the observer's run: its chunk in parts (passages, then observations), besides its job row's begin and end
+    assert holds["worker:observer"]["n"] == 2 + math.ceil(passages / PASSAGES_PER_WRITE) + 1
+    assert all(h["p50_ms"] <= h["p99_ms"] <= h["max_ms"] for h in holds.values())
+
+
+def long_session(session: str, t0: float) -> list[dict[str, Any]]:
+    """One observer chunk (under CHUNK_EVENTS events) with many evidence passages: several parts of it."""
+    events = work_session(session, t0)
+    for n in range(5):
+        events += [assistant(session, f"Next I check the parser module number {n} for the retry regression.",
+                             t0 + 20 + 3 * n),
+                   *shell(session, f"pytest tests/test_parser_{n}.py",
+                          f"=== {n + 3} passed in 0.{n}s ===", t0 + 21 + 3 * n)]
+    assert len(events) < CHUNK_EVENTS
+    return events
+
+
+@pytest.mark.slow
+def test_a_chunk_commits_its_passages_apart_and_a_kill_between_them_doubles_nothing(daemon_process,
+                                                                                     home: Path) -> None:
+    """The observer writes a chunk in parts (its evidence passages a few at a time, then its observations with the
+    watermark), each its own transaction: the writer is handed on between them. Killed in the last part, the
+    passages stay, the watermark has not moved, and the re-run writes the same observations and no passage twice."""
+    env = {"LOOMD_PASSIVE": "1", "LOOMD_TAIL_TRANSCRIPTS": "0", "LOOMD_EMBEDDER": "none"}
+    proc = daemon_process(env).start()
+    with Client(proc.sock, timeout=30) as c:
+        ids = c.call("ingest", events=long_session("p1", 1_700_000_000))["ids"]
+        reference = c.call("workers_run", name="observer", session_id="p1", dry_run=True)
+    passages = reference["detail"]["evidence"]
+    assert passages > PASSAGES_PER_WRITE  # more than one part
+    conn = connect_sync(home / "loomd.db")
+    conn.execute(SLOW_TRIGGER)  # the observations' part is slow: the kill lands in it
+    def count(kind: str) -> int:
+        return int(conn.execute("SELECT count(*) FROM memories WHERE kind = ?", (kind,)).fetchone()[0])
+
+    caller, errors = observe_in_background(proc.sock, "p1")
+    deadline = time.monotonic() + 20
+    while count("evidence") < passages:  # every passage part committed, seen from another connection
+        assert time.monotonic() < deadline, "the chunk's passages were not committed before its observations"
+        time.sleep(0.005)
+    # and the observations' transaction open
+    wait_for_an_open_write(home / "loomd.db", deadline, "the passages were committed with the observations")
+    assert proc.stop(signal.SIGKILL) == -signal.SIGKILL
+    caller.join(10)
+    assert errors  # the call never got its answer
+    assert count("evidence") == passages and count("observation") == 0
+    assert conn.execute("SELECT value FROM checkpoints WHERE name = 'observer:p1'").fetchone() is None
+    conn.execute("DROP TRIGGER slow_obs")
+    conn.close()
+    proc2 = daemon_process(env).start()
+    with Client(proc2.sock, timeout=30) as c:
+        again = c.call("workers_run", name="observer", session_id="p1")
+    assert proc2.stop(signal.SIGTERM) == 0
+    assert again["outcome"] == "ok" and essence(again["output"]) == essence(reference["output"])
+    clean_home = Path(tempfile.mkdtemp(prefix="lm", dir="/tmp"))  # short: the socket path's limit
+    try:
+        clean = DaemonProcess(clean_home, env).start()
+        with Client(clean.sock, timeout=30) as c:
+            c.call("ingest", events=long_session("p1", 1_700_000_000))
+            assert c.call("workers_run", name="observer", session_id="p1")["outcome"] == "ok"
+        assert clean.stop(signal.SIGTERM) == 0
+        recovered, fresh = observed_state(home / "loomd.db"), observed_state(clean_home / "loomd.db")
+    finally:
+        shutil.rmtree(clean_home, ignore_errors=True)
+    assert recovered == fresh and recovered["watermark"] == (str(max(ids)),)
+    assert recovered["doubled"] == [] and len(recovered["evidence"]) == passages
+
+
+def observed_state(db: Path) -> dict[str, Any]:
+    """What the observer left in a store, without ids or times: its memories' texts by kind (with how many events
+    each cites and entities each mentions), texts stored twice, the watermark."""
+    conn = connect_sync(db)
+    try:
+        def texts(kind: str) -> list[tuple[str, int, int]]:
+            return sorted(tuple(r) for r in conn.execute(
+                "SELECT text, (SELECT count(*) FROM memory_sources s WHERE s.memory_id = m.id),"
+                " (SELECT count(*) FROM edges e WHERE e.src_type = 'memory' AND e.src_id = m.id"
+                "  AND e.type = 'mentions') FROM memories m WHERE kind = ?", (kind,)))
+
+        return {"observation": texts("observation"), "evidence": texts("evidence"),
+                "doubled": conn.execute("SELECT session_id, kind, content_hash FROM memories WHERE archived_at IS NULL"
+                                        " GROUP BY 1, 2, 3 HAVING count(*) > 1").fetchall(),
+                "watermark": tuple(conn.execute("SELECT value FROM checkpoints WHERE name = 'observer:p1'").fetchone()
+                                   or ()),
+                "watermarks": sorted(tuple(r) for r in conn.execute(
+                    "SELECT name, value FROM checkpoints WHERE name LIKE 'observer:%'"))}
+    finally:
+        conn.close()
+
+
+def ended_session(session: str, t0: float) -> list[dict[str, Any]]:
+    """A short ended session whose texts are its own (no passage of it is another session's too)."""
+    events: list[dict[str, Any]] = [user(session, f"From now on never push to main in {session}, open a pull request.",
+                                         t0)]
+    for n in range(6):
+        events += [assistant(session, f"Next I check parser module {n} of {session} for the retry regression.",
+                             t0 + 1 + 3 * n),
+                   *shell(session, f"pytest tests/{session}/test_parser_{n}.py",
+                          f"=== {n + 3} passed in 0.{n}s ({session}) ===", t0 + 2 + 3 * n)]
+    return [*events, ev(session, "SessionEnd", {"reason": "other"}, t0 + 30)]
+
+
+@pytest.mark.slow
+def test_kill_9_during_the_catch_up_then_restart_gives_a_clean_runs_memories(daemon_process, home: Path) -> None:
+    """The scheduled workers catching up on ended sessions, killed -9 halfway: restarted, they finish with what a
+    daemon never killed writes, nothing doubled."""
+    sessions = [f"cu{n}" for n in range(10)]
+    events = [e for n, s in enumerate(sessions) for e in ended_session(s, 1_700_000_000 + 100 * n)]
+    env = {"LOOMD_PASSIVE": "0", "LOOMD_TAIL_TRANSCRIPTS": "0", "LOOMD_EMBEDDER": "none"}
+    conn = connect_sync(home / "loomd.db")  # created and migrated by the first daemon below
+    proc = daemon_process(env).start()
+    conn.execute(SLOW_TRIGGER)  # each observation takes a while: the catch-up lasts long enough to be cut
+    with Client(proc.sock, timeout=30) as c:
+        c.call("ingest", events=events)  # each SessionEnd wakes the observer
+
+    def observed() -> int:
+        return int(conn.execute("SELECT count(*) FROM checkpoints WHERE name LIKE 'observer:%'").fetchone()[0])
+
+    deadline = time.monotonic() + 60
+    while observed() < 2:
+        assert time.monotonic() < deadline, "the observer did not catch up on its own"
+        time.sleep(0.005)
+    assert proc.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert observed() < len(sessions)  # cut halfway
+    conn.execute("DROP TRIGGER slow_obs")
+    conn.close()
+    proc2 = daemon_process(env).start()
+    with Client(proc2.sock, timeout=30) as c:
+        for session in sessions:  # what the scheduler has not done yet (it may be doing it now: that run waits)
+            assert c.call("workers_run", name="observer", session_id=session)["outcome"] in ("ok", "noop")
+    assert proc2.stop(signal.SIGTERM) == 0
+    clean_home = Path(tempfile.mkdtemp(prefix="lm", dir="/tmp"))
+    try:
+        clean = DaemonProcess(clean_home, {**env, "LOOMD_PASSIVE": "1"}).start()
+        with Client(clean.sock, timeout=30) as c:
+            c.call("ingest", events=events)
+            for session in sessions:
+                assert c.call("workers_run", name="observer", session_id=session)["outcome"] == "ok"
+        assert clean.stop(signal.SIGTERM) == 0
+        recovered, fresh = observed_state(home / "loomd.db"), observed_state(clean_home / "loomd.db")
+    finally:
+        shutil.rmtree(clean_home, ignore_errors=True)
+    assert recovered["doubled"] == []
+    assert recovered["observation"] == fresh["observation"] and recovered["evidence"] == fresh["evidence"]
+    assert recovered["watermarks"] == fresh["watermarks"]

@@ -11,6 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiosqlite
+
 from loomd.config import Config
 from loomd.context.relevance import asks_memory, recalled
 from loomd.context.render import (
@@ -31,6 +33,7 @@ from loomd.ingest.sentences import clean_user_text
 from loomd.search.retrieval import Hit
 from loomd.store.db import Store
 from loomd.store.tasks import OPEN_STATES
+from loomd.store.trip import commit_in_one_trip
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +183,8 @@ class Planner:
         block: tuple[str, str] | None = None,
     ) -> None:
         await _durable(written)
-        async with self.store.atomic() as db:  # one commit: the block frozen, recorded and its ids marked together
+
+        async def note(db: aiosqlite.Connection) -> None:
             if freeze is not None:
                 await db.execute("UPDATE sessions SET start_block = ? WHERE id = ? AND start_block IS NULL",
                                  (freeze, session_id))
@@ -188,6 +192,10 @@ class Planner:
                 await db.execute("INSERT INTO injections (session_id, ts, kind, text) VALUES (?, ?, ?, ?)",
                                  (session_id, time.time(), *block))
             await _mark(db, session_id, ids)
+
+        # One commit: the block frozen, recorded and its ids marked together; one trip to the writer's thread, so
+        # the writer (hooks' commits wait behind it) is held for the statements alone.
+        await commit_in_one_trip(self.store, note)
 
     async def start(
         self, session_id: str, project: str, agent: str, written: Awaitable[Any] | None = None,

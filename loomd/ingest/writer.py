@@ -30,6 +30,7 @@ from loomd.ingest.parser import EventParser
 from loomd.ingest.project import project_of
 from loomd.offload import Offload
 from loomd.store.db import Store, on_thread
+from loomd.store.turns import HOLDER
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +239,7 @@ class EventWriter:
         (live submitters) before the workers' and the back-fill's waiting transactions."""
         if events is None:
             events = [e for item in batch for e in item.events]
+        HOLDER.set("events:live" if urgent else "events:bulk")  # the writer task's own context
         async with self.store.atomic(durable=durable, urgent=urgent) as db:
             # Every event's statements in one trip to the writer's thread: a trip per statement (three per event)
             # cost more than the statements themselves, and the loop paid for each one.

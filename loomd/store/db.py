@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,7 +19,7 @@ import aiosqlite
 
 from loomd.errors import ExtensionError, StorageError
 from loomd.store.migrations import MIGRATIONS
-from loomd.store.turns import WriteTurns
+from loomd.store.turns import Holds, WriteTurns
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,11 @@ class Store:
         return cls(path, writer, reader)
 
     @property
+    def holds(self) -> Holds:
+        """How long each holder kept the writer (`status`)."""
+        return self._write_lock.holds
+
+    @property
     def write_waiting(self) -> int:
         """Transactions waiting for their turn on the writer."""
         return self._write_lock.waiting
@@ -270,21 +276,34 @@ class Store:
                     with contextlib.suppress(*DB_ERRORS):
                         await asyncio.shield(self.writer.execute(f"PRAGMA synchronous = {SYNCHRONOUS}"))
 
-    async def commit_relaxed(self, fn: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
-        """`fn` in a write transaction of its own, in one trip to the writer's thread, committed without waiting
-        for the disk (synchronous NORMAL for this one transaction): a crash of the process keeps it, a power cut
-        may undo it until the next durable commit, any caller's, syncs the log. For bookkeeping that a replay
-        redoes (sync marking what the server holds); its writer-lock hold, which hooks wait behind, is the
-        statements alone. Returns fn's result and `durable_commits` as of this commit: once that count has moved,
-        the transaction is on disk."""
+    async def commit_on_thread(self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True) -> tuple[T, int]:
+        """`fn` in a write transaction of its own, BEGIN to COMMIT in one trip to the writer's thread: its
+        writer-lock hold, which hooks wait behind, is the statements alone (a trip per statement also waits for the
+        event loop's turn each time). Rolled back if `fn` raises, or if the caller is cancelled before its COMMIT
+        (as `atomic`: a worker's run cancelled at shutdown keeps nothing of the transaction it had open; the
+        statements run on to that point, as the connection's thread cannot be interrupted).
+
+        `durable=False` commits without waiting for the disk (synchronous NORMAL for this one transaction): a crash
+        of the process keeps it, a power cut may undo it until the next durable commit, any caller's, syncs the
+        log; for what a replay redoes (sync marking what the server holds). Returns fn's result and
+        `durable_commits` as of this commit: once that count has moved, the transaction is on disk."""
+        abandoned = threading.Event()
         async with self._write_lock.hold():
             try:
-                result = await on_thread(self.writer, functools.partial(_relaxed, fn))
+                result = await on_thread(self.writer, functools.partial(_transaction, fn, durable, abandoned))
+            except asyncio.CancelledError:
+                abandoned.set()  # the thread rolls back instead of committing, unless it has committed already
+                raise
             except DB_ERRORS as exc:
                 if isinstance(exc, DB_BUGS):
                     raise
                 raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
+            self.durable_commits += durable
             return result, self.durable_commits
+
+    async def commit_relaxed(self, fn: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
+        """`commit_on_thread(fn, durable=False)`."""
+        return await self.commit_on_thread(fn, durable=False)
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[aiosqlite.Connection]:
@@ -313,19 +332,28 @@ class Store:
         return {"sqlite": row[0], "sqlite_vec": row[1]}
 
 
-def _relaxed(fn: Callable[[sqlite3.Connection], T], conn: sqlite3.Connection) -> T:
-    """`Store.commit_relaxed` on the writer's thread: runs to its end even if the caller is cancelled meanwhile, so
-    the connection always gets its durable setting back."""
-    conn.execute("PRAGMA synchronous = NORMAL")
+class Abandoned(Exception):
+    """The caller of `Store.commit_on_thread` was cancelled before the COMMIT: the transaction is rolled back."""
+
+
+def _transaction(fn: Callable[[sqlite3.Connection], T], durable: bool, abandoned: threading.Event,
+                 conn: sqlite3.Connection) -> T:
+    """`Store.commit_on_thread` on the writer's thread: runs to its end (COMMIT, or ROLLBACK if the caller was
+    cancelled meanwhile), so the connection always leaves its transaction and gets its durable setting back."""
+    if not durable:
+        conn.execute("PRAGMA synchronous = NORMAL")
     try:
         conn.execute("BEGIN IMMEDIATE")
         try:
             result = fn(conn)
+            if abandoned.is_set():
+                raise Abandoned
             conn.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(*DB_ERRORS):
                 conn.execute("ROLLBACK")
             raise
     finally:
-        conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
+        if not durable:
+            conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
     return result

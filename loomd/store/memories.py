@@ -186,6 +186,11 @@ class MemoryWriter:
         """Derived data (entities, edges, neighbour context) in the same transaction as the memories; `mentions`:
         the entities of texts already worked out (`derived.link_entities`)."""
         await write_derived(db, ids, mentions)
+        self.mark_stale(ids)
+
+    def mark_stale(self, ids: Sequence[int]) -> None:
+        """Their vectors must be (re)computed: for a caller that wrote the derived data itself (`write_derived`,
+        run on the writer's thread by `store.trip`, which must not call the loop's listeners)."""
         for listener in self.stale:
             listener(ids)
 

@@ -4,9 +4,43 @@ before every waiter that is not one (a worker's output, the back-fill's vectors,
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from typing import Any
+
+# Who is holding the writer, for `Holds`: a task sets it once for what it writes (a worker's run, the back-fill, the
+# event writer); anything else is "other".
+HOLDER: ContextVar[str] = ContextVar("writer_holder", default="other")
+HOLDS_KEPT = 4096  # per holder: the last this many holds make its percentiles
+
+
+class Holds:
+    """How long each holder kept the writer, turn taken to turn passed on: what a hook's commit can wait behind
+    (`status`'s `writer`)."""
+
+    def __init__(self) -> None:
+        self._ms: dict[str, deque[float]] = {}
+        self._count: dict[str, int] = {}
+        self._max: dict[str, float] = {}
+
+    def record(self, holder: str, ms: float) -> None:
+        self._ms.setdefault(holder, deque(maxlen=HOLDS_KEPT)).append(ms)
+        self._count[holder] = self._count.get(holder, 0) + 1
+        self._max[holder] = max(self._max.get(holder, 0.0), ms)
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per holder: holds so far, the total and the worst; p50/p90/p99 of the last HOLDS_KEPT (milliseconds)."""
+        out: dict[str, dict[str, Any]] = {}
+        for holder, kept in sorted(self._ms.items()):
+            xs = sorted(kept)
+            at = {q: round(xs[max(0, math.ceil(q * len(xs)) - 1)], 2) for q in (0.5, 0.9, 0.99)}
+            out[holder] = {"n": self._count[holder], "p50_ms": at[0.5], "p90_ms": at[0.9], "p99_ms": at[0.99],
+                           "max_ms": round(self._max[holder], 2)}
+        return out
 
 
 class WriteTurns:
@@ -18,6 +52,7 @@ class WriteTurns:
         self._held = False
         self._urgent: deque[asyncio.Future[None]] = deque()
         self._normal: deque[asyncio.Future[None]] = deque()
+        self.holds = Holds()
 
     @property
     def waiting(self) -> int:
@@ -29,9 +64,11 @@ class WriteTurns:
     @asynccontextmanager
     async def hold(self, urgent: bool = False) -> AsyncIterator[None]:
         await self._acquire(urgent)
+        began = time.perf_counter()
         try:
             yield
         finally:
+            self.holds.record(HOLDER.get(), (time.perf_counter() - began) * 1000)
             self._release()
 
     async def _acquire(self, urgent: bool) -> None:

@@ -19,6 +19,8 @@ from loomd.errors import ChildDied, EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
 from loomd.offload import Offload, lower_thread_priority
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
+from loomd.store.trip import commit_in_one_trip
+from loomd.store.turns import HOLDER
 from loomd.vectors.backfill import BATCH, Backlog, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
 from loomd.vectors.embed import (
     LOCAL_NAME,
@@ -97,6 +99,7 @@ class VectorService:
 
     async def run(self, should_exit: asyncio.Event) -> None:
         """Load the provider and the index, then back-fill until cancelled."""
+        HOLDER.set("backfill")  # this task's own context: its transactions, in `status`'s writer holds
         if self.state == "off":
             log.warning("embedder = none: search runs on full text and the entity graph only")
             return
@@ -267,8 +270,7 @@ class VectorService:
         plan = await asyncio.get_running_loop().run_in_executor(self._bulk, self._plan)
         if plan is None:
             return True
-        async with self.store.atomic() as db:
-            await apply_plan(db, plan)
+        await commit_in_one_trip(self.store, functools.partial(apply_plan, plan=plan))  # held for the statements
         # Recounting recurrence touches every partner's pairs: small transactions, so ingest never waits long.
         affected = sorted(plan.recurrence)
         for start in range(0, len(affected), RECOUNT_CHUNK):

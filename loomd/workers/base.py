@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiosqlite
 
@@ -22,12 +22,14 @@ from loomd.redact import redact_text
 from loomd.store.db import Store
 from loomd.store.entities import extract_entities
 from loomd.store.memories import MemoryWriter, content_hash, estimate_tokens
+from loomd.store.trip import commit_in_one_trip, in_one_trip
 from loomd.team.sync import SyncEngine
 from loomd.workers.steps import Observation
 
 # Kinds the reflector writes and merges into (capture and `store` write them too: one pool, one truth).
 REFLECTION_KINDS = ("constraint", "preference", "decision", "procedure", "insight", "fact", "reflection", "handoff")
 MAX_OUTPUT_LISTED = 200
+T = TypeVar("T")
 
 
 class _Rollback(Exception):
@@ -87,6 +89,14 @@ class WorkerContext:
                     raise _Rollback
         except _Rollback:
             pass
+
+    async def commit(self, dry_run: bool, body: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
+        """`body` (output and watermark, awaiting only the connection) as one output transaction in one trip to the
+        writer's thread (`store.trip`): the writer is held for its statements alone. A dry run's is rolled back."""
+        if dry_run:
+            async with self.write(dry_run) as db:
+                return await in_one_trip(db, body)
+        return await commit_in_one_trip(self.store, body)
 
 
 async def requested_projects(ctx: WorkerContext, req: RunRequest) -> list[str] | None:

@@ -18,6 +18,7 @@ The watermark `reflector:<project>` (the last observation id reflected) moves in
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 
 import aiosqlite
 
+from loomd.store.derived import write_derived
 from loomd.store.memories import content_hash, insert_memory
 from loomd.vectors.embed import from_blob
 from loomd.workers.base import (
@@ -207,8 +209,12 @@ class Reflector:
         for project in projects:
             wrote = 0
             while True:
-                async with ctx.write(req.dry_run) as db:
-                    changed, seen = await self.reflect(ctx, db, project, report, req.dry_run)
+                # The chunk, its reads and its matching, in one trip to the writer's thread: the writer is held
+                # for that work alone, not for a hundred trips each waiting for the event loop's turn too.
+                changed, seen, new_ids = await ctx.commit(req.dry_run, functools.partial(
+                    self.reflect, ctx, project=project, report=report, dry_run=req.dry_run))
+                if new_ids and not req.dry_run:
+                    ctx.memories.mark_stale(new_ids)  # for the back-fill
                 wrote += changed
                 if req.dry_run or seen < MAX_OBSERVATIONS:
                     break
@@ -239,14 +245,16 @@ class Reflector:
         async with db.execute(sql, tuple(params)) as cur:
             return list(await cur.fetchall())
 
-    async def reflect(self, ctx: WorkerContext, db: aiosqlite.Connection, project: str, report: RunReport,
-                      dry_run: bool) -> tuple[int, int]:
-        """Reflect one chunk of a project's new observations: (memories written or merged into, observations read)."""
+    async def reflect(self, ctx: WorkerContext, db: aiosqlite.Connection, *, project: str, report: RunReport,
+                      dry_run: bool) -> tuple[int, int, list[int]]:
+        """Reflect one chunk of a project's new observations: (memories written or merged into, observations read,
+        the new memories' ids). It awaits only `db` (`store.trip.in_one_trip` runs it on the writer's thread); the
+        caller marks the new memories' vectors stale."""
         watermark = await get_int_checkpoint(db, f"reflector:{project}")
         fresh = await self._load(db, "SELECT * FROM memories WHERE project = ? AND kind = 'observation' AND id > ?"
                                      " ORDER BY id LIMIT ?", (project, watermark, MAX_OBSERVATIONS))
         if not fresh:
-            return 0, 0
+            return 0, 0, []
         off = ctx.config().for_project(project).kinds_off()  # kinds the user does not want distilled
         marks = ",".join("?" * len(REFLECTION_KINDS))
         durable = await self._load(db, f"SELECT * FROM memories WHERE project = ? AND kind IN ({marks}) AND"
@@ -288,11 +296,11 @@ class Reflector:
             if created is not None:
                 new_ids.append(created)
         if new_ids and not dry_run:
-            await ctx.memories.derive(db, new_ids)
+            await write_derived(db, new_ids)
         await set_checkpoint(db, f"reflector:{project}", str(fresh[-1]["id"]))
         await progress(db, report, len(fresh), len(new_ids))
         report.items_in += len(fresh)
-        return changed, len(fresh)
+        return changed, len(fresh), new_ids
 
     async def promote(self, db: aiosqlite.Connection, project: str, kind: str, obs: Mem, members: list[Mem],
                       pool: Pool, report: RunReport) -> tuple[int | None, bool]:

@@ -30,6 +30,7 @@ from loomd.ingest.events import Event
 from loomd.offload import Offload
 from loomd.store.db import Store
 from loomd.store.memories import MemoryWriter
+from loomd.store.turns import HOLDER
 from loomd.team.sync import SyncEngine
 from loomd.workers.base import RunReport, RunRequest, WorkerContext
 from loomd.workers.digest import Digest
@@ -165,6 +166,14 @@ class Scheduler:
         if worker is None:
             raise BadRequest(f"unknown worker '{name}'; one of: {', '.join(self.workers)}")
         req = RunRequest(name, session_id, project, dry_run, final, trigger, keys)
+        holder = HOLDER.set(f"worker:{name}")
+        try:
+            return await self._run(worker, req)
+        finally:
+            HOLDER.reset(holder)
+
+    async def _run(self, worker: Worker, req: RunRequest) -> dict[str, Any]:
+        name, dry_run, trigger = req.worker, req.dry_run, req.trigger
         async with self.locks[name]:
             task = asyncio.current_task()
             if task is not None:
