@@ -74,6 +74,28 @@ class _Rule:
         return "".join(out)
 
 
+# Characters from the most to the least common in code, logs and prose; one missing from this list counts as rarer
+# than all of them.
+_COMMON_FIRST = " etaonisrlhdcupmfgy\nbw.k,v-_/:=\"'0123456789()x[]{}jqz"
+
+
+def _rarest(trigger: str) -> str | None:
+    """The character of `trigger` least likely to be in a text (None for the empty trigger, which every text holds).
+    A text without it cannot hold the trigger: one search for a character, remembered for the text, stands in for the
+    searches of every trigger that holds it (117 substring searches were half of a 2 KB text's redaction)."""
+    return max(trigger, key=lambda c: _COMMON_FIRST.find(c) % (len(_COMMON_FIRST) + 1), default=None)
+
+
+def _holds(hay: str, trigger: str, rare: str | None, held: dict[str, bool]) -> bool:
+    """`trigger in hay`, ruled out first by its `rare` character, whose presence `held` remembers for this `hay`."""
+    if rare is not None:
+        if (has := held.get(rare)) is None:
+            has = held[rare] = rare in hay
+        if not has:
+            return False
+    return trigger in hay
+
+
 # ---------------------------------------------------------------------------------------------
 # <private> spans
 
@@ -296,21 +318,40 @@ _ASSIGN_WORD_RE = re.compile(r"(?i:pass|pwd|secret|token|key|auth|cred|sig|psk)"
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 
 
+_ASSIGN_WORDS = ("pass", "pwd", "secret", "token", "key", "auth", "cred", "sig", "psk")
+
+
+def _word_positions(text: str, words: tuple[str, ...], pattern: re.Pattern[str]) -> list[int]:
+    """Where `words` (lower case) occur in `text`, any case: plain searches of the lower-cased text (a
+    case-insensitive alternation's own scan cost as much as the rest of a rule), or `pattern`'s (the same words,
+    case-insensitive) where lower-casing cannot stand in for it. Overlapping occurrences may be left out."""
+    low = _findable_lower(text)
+    if low is None:
+        return [m.start() for m in pattern.finditer(text)]
+    found: list[int] = []
+    for word in words:
+        at = low.find(word)
+        while at >= 0:
+            found.append(at)
+            at = low.find(word, at + 1)
+    return found
+
+
 def _assignment_starts(text: str) -> Iterator[int]:
     """Where _ASSIGN_RE can match: the start of a name run (its first look-behind) that holds one of the words of
     its look-ahead within 64 characters. Found from the words, so a long text without them is not scanned
     position by position with a 64-character look-ahead (that scan was most of a large payload's redaction)."""
-    previous = -1
-    for word in _ASSIGN_WORD_RE.finditer(text):
-        start = word.start()
-        floor = max(0, start - 65)
+    if ":" not in text and "=" not in text:
+        return iter(())  # every separator the pattern allows holds one or the other
+    starts: set[int] = set()
+    for at in _word_positions(text, _ASSIGN_WORDS, _ASSIGN_WORD_RE):
+        start, floor = at, max(0, at - 65)
         while start > floor and text[start - 1] in _NAME_CHARS:
             start -= 1
         if start > 0 and text[start - 1] in _NAME_CHARS:
             continue  # the run starts more than 64 characters before the word: the look-ahead cannot reach it
-        if start != previous:
-            previous = start
-            yield start
+        starts.add(start)
+    return iter(sorted(starts))
 
 
 _PLACEHOLDER_RE = re.compile(
@@ -496,6 +537,28 @@ _CLI_FLAG_RE = re.compile(
     r"(?<![\w-])--?(?=[\w-]{0,64}?(?i:pass|pwd|secret|token|key|auth|cred))(?P<name>[A-Za-z][\w-]{0,64}+)"
     r"[ \t]++(?P<value>\"[^\"\r\n]*+\"?|'[^'\r\n]*+'?|[^\s\"'`;|&<>]++)"
 )
+
+
+_FLAG_WORDS = ("pass", "pwd", "secret", "token", "key", "auth", "cred")
+_FLAG_WORD_RE = re.compile(r"(?i:pass|pwd|secret|token|key|auth|cred)")
+
+
+def _flag_char(c: str) -> bool:
+    return c.isalnum() or c in "_-"  # `[\w-]`
+
+
+def _flag_starts(text: str) -> Iterator[int]:
+    """Where _CLI_FLAG_RE can match: a dash that starts a run of word characters and dashes (its look-behind)
+    holding one of its look-ahead's words at most 66 characters in (two dashes and 64); found from the words, as
+    `_assignment_starts` finds its own."""
+    starts: set[int] = set()
+    for at in _word_positions(text, _FLAG_WORDS, _FLAG_WORD_RE):
+        start, floor = at, max(0, at - 66)
+        while start > floor and _flag_char(text[start - 1]):
+            start -= 1
+        if text[start] == "-" and not (start > 0 and _flag_char(text[start - 1])):
+            starts.add(start)
+    return iter(sorted(starts))
 
 
 def _replace_cli_flag(m: re.Match[str]) -> str:
@@ -747,6 +810,7 @@ _CLI_TRIGGERS = (
     "sql", "ssh", "mariadb", "mongo", "ldap", "smb", "-cli", "zip", "7z", "openssl", "keytool", "jarsigner", "cqlsh",
     "twine", "nmcli", "vercel", "htpasswd", " login", " secret", " alias", " config",
 )  # fmt: skip
+_CLI_CHECKS = tuple((t, _rarest(t)) for t in _CLI_TRIGGERS)
 _RUN_START_RE = re.compile(r"(?<![\w.\-~])[\w.\-~]")
 _CMD_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-~")
 _SUB_REACH = 80  # how far before its subcommand (` login`) a command can start
@@ -758,7 +822,10 @@ def _cli_starts(text: str) -> Iterator[int]:
     as _cli_secrets requires. Commands are lower case, so a plain search finds them; the rule has no separate
     trigger check, as this search is one."""
     found: set[int] = set()
-    for trigger in _CLI_TRIGGERS:
+    held: dict[str, bool] = {}
+    for trigger, rare in _CLI_CHECKS:
+        if not _holds(text, trigger, rare, held):
+            continue
         sub = trigger.startswith(" ")
         at = text.find(trigger)
         while at >= 0:
@@ -1178,6 +1245,9 @@ _PROSE_ESCAPED = ("u043f", "u041f", "u0142o", "u5bc6", "u30d1", "ube44")
 _PROSE_PREFIXES = frozenset({"api", "access", "auth", "bearer", "refresh", "bot", "deploy", "private", "secret",
                              "signing", "encryption", "master", "client", "app", "license", "de"})  # fmt: skip
 _PREVIOUS_WORD_RE = re.compile(r"([a-z]{2,16})[ \t_-]?\Z")
+_PROSE_PREFIX_ENDS = tuple(_PROSE_PREFIXES)
+# The labels of _PROSE_RE that begin with `pass` (`passed` and `compass` begin none).
+_PASS_LABELS = ("password", "passwd", "passphrase", "passcode", "pass phrase", "pass\tphrase", "passwort")
 
 
 def _prose_starts(text: str) -> Iterator[int]:
@@ -1190,9 +1260,15 @@ def _prose_starts(text: str) -> Iterator[int]:
     for word in _PROSE_WORDS if not low.isascii() else _PROSE_ASCII_WORDS:
         at = low.find(word)
         while at >= 0:
-            if word != "key":  # `key` alone is no label
+            # `key` alone is no label; `pass` only begins one as `password`, `passwd`, `pass phrase`...
+            if word != "key" and (word != "pass" or low.startswith(_PASS_LABELS, at)):
                 found.add(at)
-            before = _PREVIOUS_WORD_RE.search(low, max(0, at - 17), at)
+            # The word before can be a label's first word only if one of them ends where it does: one C call
+            # instead of the regex's search of the 17 characters before every label word. Before `pass`, only `de`
+            # (`mot de passe`): no two-word label ends in `pass`, and `secret` is a label word of its own.
+            end = at - 1 if at and low[at - 1] in " \t_-" else at
+            ends = _PROSE_PREFIX_ENDS if word != "pass" else ("de",)
+            before = _PREVIOUS_WORD_RE.search(low, max(0, at - 17), at) if low.endswith(ends, 0, end) else None
             if before is not None:
                 start = before.start(1)
                 if low[start] in "nrt" and low.endswith("\\", 0, start):
@@ -1498,7 +1574,7 @@ def _build_rules() -> tuple[_Rule, ...]:
         _Rule(_PRINTED_SECRET_RE, ("auth:token", "auth token", "get-login-password", "get-access-token", "pass show",
                                    "op read", "get password", "find-generic-password", "find-internet-password",
                                    "get secret"), _replace_printed_secret),
-        _Rule(_CLI_FLAG_RE, ("-",), _replace_cli_flag),
+        _Rule(_CLI_FLAG_RE, ("-",), _replace_cli_flag, starts=_flag_starts),
         _Rule(_NETRC_RE, ("password", "passwd"), _replace_netrc),
         _Rule(_AUTH_TUPLE_RE, ("auth",), _value_replacer("env_secret")),
         _Rule(_XML_KEY_VALUE_RE, ("value",), _replace_xml_key_value),
@@ -1531,6 +1607,11 @@ def _build_rules() -> tuple[_Rule, ...]:
 
 
 _RULES = _build_rules()
+
+# From this length a trigger's search costs more than looking up its rarest character first.
+RARE_FIRST_CHARS = 512
+# Each rule with its triggers, each trigger with its rarest character.
+_CHECKS = tuple((rule, tuple((t, _rarest(t)) for t in rule.triggers)) for rule in _RULES)
 
 
 def redact_text(text: str) -> str:
@@ -1590,11 +1671,24 @@ def _redact(text: str) -> str:
         if "---" in text:
             text = _redact_pem(text)
         low = _lower(text)
-    for rule in _RULES:
-        for trigger in rule.triggers:  # a plain loop: a generator per rule costs more than a short text's checks
-            if trigger in low:
-                text = rule.apply(text)
-                break
+    if len(low) < RARE_FIRST_CHARS:
+        for rule, checks in _CHECKS:
+            for trigger, _ in checks:  # a plain loop: a generator per rule costs more than a short text's checks
+                if trigger in low:
+                    text = rule.apply(text)
+                    break
+    else:
+        held: dict[str, bool] = {}
+        for rule, checks in _CHECKS:
+            for trigger, rare in checks:
+                if rare is not None:  # `_holds`, inline: a call per trigger costs as much as the search it saves
+                    if (has := held.get(rare)) is None:
+                        has = held[rare] = rare in low
+                    if not has:
+                        continue
+                if trigger in low:
+                    text = rule.apply(text)
+                    break
     global _last_lower
     _last_lower = ("", "")  # it may hold a secret: kept only while this text is redacted
     return text

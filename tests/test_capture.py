@@ -14,7 +14,7 @@ from loomd.client import AsyncClient
 from loomd.daemon import Daemon
 from loomd.ingest.capture import RULES
 from loomd.ingest.events import Event
-from loomd.ingest.reading import commit_subject, shell_command
+from loomd.ingest.reading import commit_subject, failed_output, shell_command
 
 _ids = itertools.count(1)
 
@@ -162,6 +162,17 @@ def test_parsers_on_real_command_shapes() -> None:
         "cargo test -q\ngit status --short"
     assert shell_command({"input": "const r = await tools.web__run({open: [{ref_id: 'x'}]});"}) == ""
     assert shell_command({"command": 5}) == ""
+
+
+def test_a_failed_run_is_read_from_its_exit_code_in_any_case() -> None:
+    """The exit-code pattern is case-insensitive, and the check before it must not miss what it matches: `İ` and `ı`
+    match its `i` too (lower-casing keeps `ı` and turns `İ` into two characters)."""
+    for output in ("Exit code 1", "EXIT CODE: 2", 'x "exit_code": 3', "build: exit status 4", "ex\u0130t code 5",
+                   "EX\u0131T code 6", "Exit code -1"):
+        assert failed_output(output, False), output
+    for output in ("Exit code 0", "exit", "ok build step passed", "", "exit code x", "e-x-i-t code 1"):
+        assert not failed_output(output, False), output
+    assert failed_output("anything", True)
 
 
 # Any JSON value, where a hook or transcript line carries a tool call: what an agent or a script may send.

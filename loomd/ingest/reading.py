@@ -124,7 +124,12 @@ def response_text(response: Any) -> tuple[str, bool]:
 def failed_output(output: str, flagged: bool) -> bool:
     if flagged:
         return True
-    match = _EXIT.search(output[:2000])
+    head = output[:2000]
+    # Every branch of _EXIT holds `exit`, in any case (`İ` and `ı` also match its `i`): without it, no scan (the
+    # case-insensitive scan cost 35 us on a 2 KB output, every tool call).
+    if "exit" not in head.lower() and "\u0130" not in head and "\u0131" not in head:
+        return False
+    match = _EXIT.search(head)
     return bool(match and match.group(1) != "0")
 
 
