@@ -216,7 +216,7 @@ class Store:
         self.writer = writer
         self.reader = reader
         self._write_lock = WriteTurns()
-        self.durable_commits = 0  # commits synced to disk so far (`atomic`'s); see `commit_relaxed`
+        self.durable_commits = 0  # commits synced to disk so far (`atomic`'s); see `commit_on_thread`
 
     @classmethod
     async def open(cls, path: Path, *, busy_timeout_ms: int = 5000) -> Store:
@@ -250,8 +250,8 @@ class Store:
     async def atomic(self, *, durable: bool = True, urgent: bool = False) -> AsyncIterator[aiosqlite.Connection]:
         """One write transaction at a time; rolled back on any exception, cancellation included.
 
-        `durable=False` commits without waiting for the disk (as `commit_relaxed`): for what is acknowledged only
-        after a later durable commit, which syncs it too (a bulk submitter's slices but its last). `urgent`: the
+        `durable=False` commits without waiting for the disk (as `commit_on_thread`'s): for what is acknowledged
+        only after a later durable commit, which syncs it too (a bulk submitter's slices but its last). `urgent`: the
         transaction goes before the waiting ones that are not (live hooks' commits, `WriteTurns`)."""
         async with self._write_lock.hold(urgent):
             try:
@@ -300,10 +300,6 @@ class Store:
                 raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
             self.durable_commits += durable
             return result, self.durable_commits
-
-    async def commit_relaxed(self, fn: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
-        """`commit_on_thread(fn, durable=False)`."""
-        return await self.commit_on_thread(fn, durable=False)
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[aiosqlite.Connection]:

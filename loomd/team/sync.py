@@ -185,7 +185,7 @@ class SyncEngine:
                 # batch marked pushed and the next one's global ids given, in one trip to the writer's thread,
                 # committed without waiting for the disk. A power cut may undo it: the batch is pushed again (the
                 # server answers "same"), and the next batch is not pushed before its ids are on disk (above).
-                _, unsynced = await self.store.commit_relaxed(finished)
+                _, unsynced = await self.store.commit_on_thread(finished, durable=False)
             for verdict in verdicts:
                 counts[verdict.outcome] += 1
             self.pushed += len(queued)

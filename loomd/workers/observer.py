@@ -76,6 +76,11 @@ def watermark_name(session_id: str) -> str:
     return f"observer:{session_id}"
 
 
+def new_ids(written: list[tuple[int, bool]]) -> list[int]:
+    """The ids `insert_memory` wrote new, of its (id, new) pairs."""
+    return [memory_id for memory_id, is_new in written if is_new]
+
+
 @dataclass
 class Chunk:
     """A chunk's output, worked out before any transaction, and how it is written: its evidence passages in parts
@@ -116,7 +121,7 @@ class Chunk:
             db, kind="evidence", text=item.text, project=self.project, scope="session", session_id=self.session_id,
             agent=self.agent, importance=EVIDENCE_IMPORTANCE, created=item.ts, origin="evidence",
             sources=item.sources, meta=item.meta(), context=item.context, redacted=True) for item in items]
-        new = [memory_id for memory_id, is_new in written if is_new]
+        new = new_ids(written)
         if new and self.derive:
             await write_derived(db, new, self.mentions)
         return written
@@ -130,7 +135,7 @@ class Chunk:
             if is_new and obs.meta.get("resolves"):
                 await supersede_errors(db, self.session_id, obs.meta["resolves"], memory_id)
             written.append((memory_id, is_new))
-        new = [memory_id for memory_id, is_new in written if is_new]
+        new = new_ids(written)
         if new and self.derive:
             await write_derived(db, new, self.mentions)
         await set_checkpoint(db, watermark_name(self.session_id), str(self.last_event))
@@ -155,7 +160,7 @@ class Observer:
         out: list[list[tuple[int, bool]]] = []
         for part in chunk.parts():
             written = await ctx.commit(dry_run, part)
-            if new := [memory_id for memory_id, is_new in written if is_new]:
+            if new := new_ids(written):
                 ctx.memories.mark_stale(new)  # for the back-fill
             out.append(written)
         return out
@@ -268,15 +273,15 @@ class Observer:
             chunk = Chunk(session_id, project, agent, origin, watermark, events[-1].id, kept, evidence, mentions,
                           derive=not req.dry_run, report=report, events=len(events))
             *passage_parts, written = await self._write(ctx, chunk, req.dry_run)
-            passages = [memory_id for part in passage_parts for memory_id, is_new in part if is_new]
-            new_ids = [memory_id for memory_id, is_new in written if is_new]
+            passages = [memory_id for part in passage_parts for memory_id in new_ids(part)]
+            fresh = new_ids(written)
             for obs, (memory_id, is_new) in zip(kept, written, strict=True):
                 report.wrote("observation" if is_new else "observation_seen_again", id=memory_id,
                              session_id=session_id, type=obs.type, text=obs.text, sources=obs.sources)
             report.detail["evidence"] = report.detail.get("evidence", 0) + len(passages)
             report.items_in += len(events)
             report.note("sessions", session_id)
-            wrote += len(new_ids)
+            wrote += len(fresh)
             watermark = events[-1].id
             if last_chunk:
                 break
