@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import DaemonProcess, need_test_data, serving
+from conftest import DaemonProcess, caught_up, need_test_data, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -457,7 +457,9 @@ async def test_dropper_and_gc_never_touch_the_working_set(monkeypatch, home) -> 
         actions = {o["action"] for o in gc["output"]}
         assert {"archive", "dangling_edges_removed", "events_purged"} <= actions
 
-        everything = await memories(client)
+        # Ids with gaps: the old sessions' evidence passages went with their events (event_ttl_days).
+        ids = [r[0] for r in await db_rows(d, "SELECT id FROM memories ORDER BY id")]
+        everything = (await client.call("detail", id=ids))["memories"]
         archived = [m for m in everything if m["archived_at"] is not None]
         assert archived and not protected & {m["id"] for m in archived}
         assert any(m["id"] == expired for m in archived)
@@ -510,6 +512,73 @@ async def test_events_are_purged_only_after_the_observer_passed_them(monkeypatch
         await client.call("workers_run", name="gc")
         payloads = [r[0] for r in await db_rows(d, "SELECT payload FROM events WHERE session_id = 'e1'")]
         assert payloads in ([], ['{"purged": true}'])
+
+
+async def test_evidence_passages_go_with_their_events_only_under_a_retention(monkeypatch, home) -> None:
+    """Evidence passages are their events' text. By default GC keeps both for good; with `event_ttl_days` set,
+    a passage whose events are all past it and observed is deleted with all it indexes (full text, vector, its
+    row in the in-memory index, pairs, edges), so its events lose that citation and go too. A passage in the
+    working set stays, and so does what is recent or not yet observed."""
+    old, now = time.time() - 3 * 86400, time.time()
+
+    async def state(d: Daemon) -> dict[str, Any]:
+        rows = await db_rows(d, "SELECT session_id, id FROM memories WHERE kind = 'evidence'")
+        events = await db_rows(d, "SELECT session_id, count(*), sum(payload = '{\"purged\": true}') FROM events"
+                                  " GROUP BY session_id")
+        return {"evidence": {s: sorted(i for t, i in rows if t == s) for s in ("v-old", "v-chat", "v-new")},
+                "events": {r[0]: (r[1], r[2]) for r in events}}
+
+    async with loomd(monkeypatch, home, embedder="local") as (d, client):
+        recent = [user("v-new", "Deploy the staging build with the new cache settings, please.", now - 60),
+                  *shell("v-new", "make deploy-staging", "deployed build 42 to staging in 31s", now - 50)]
+        chat = [user("v-chat", "What does the transfer module do exactly?", old),
+                assistant("v-chat", "It copies the nightly exports between the two storage buckets.", old + 1)]
+        await ingest(client, work_session("v-old", old) + chat + recent
+                     + [user("v-later", "Rename the uploader module to transfer.", old)])
+        for session in ("v-old", "v-chat", "v-new"):
+            await client.call("workers_run", name="observer", session_id=session)
+        await caught_up(client)
+        before = await state(d)
+        assert all(before["evidence"].values()) and before["events"]["v-old"][1] == 0
+        gc = await client.call("workers_run", name="gc")
+        assert "evidence_expired" not in {o["action"] for o in gc["output"]}
+        assert await state(d) == before  # no retention set: nothing removed, no payload dropped
+
+    kept, *expired = before["evidence"]["v-old"]
+    expired += before["evidence"]["v-chat"]
+    terms = "uploader OR tenacity OR pytest OR exports OR buckets"
+    async with loomd(monkeypatch, home, embedder="local", event_ttl_days=1, archived_ttl_days=1) as (d, client):
+        await caught_up(client)
+        assert all(i in d.vectors.index for i in expired)
+        assert set(expired) <= {r[0] for r in await db_rows(d, "SELECT rowid FROM memories_fts WHERE memories_fts"
+                                                               " MATCH ?", (terms,))}
+        async with d.store.atomic() as db:  # `kept` was shown in a session active now: the working set
+            await db.execute("UPDATE sessions SET injected = ?, last_seen = ? WHERE id = 'v-new'",
+                             (json.dumps([kept]), now))
+            # What was distilled from v-chat was archived long ago: deleted, it leaves only passages citing it.
+            await db.execute("UPDATE memories SET archived_at = ? WHERE session_id = 'v-chat' AND kind != 'evidence'",
+                             (old,))
+        gc = await client.call("workers_run", name="gc")
+        after = await state(d)
+        assert after["evidence"] == {"v-old": [kept], "v-chat": [], "v-new": before["evidence"]["v-new"]}
+        assert {"evidence_expired", "events_purged"} <= {o["action"] for o in gc["output"]}
+        gone = json.dumps(expired)
+        for table, column in (("memory_sources", "memory_id"), ("memory_vectors", "memory_id"), ("memory_near", "a"),
+                              ("memory_near", "b"), ("edges", "src_type = 'memory' AND src_id"),
+                              ("edges", "dst_type = 'memory' AND dst_id")):
+            assert await d.store.scalar(f"SELECT count(*) FROM {table} WHERE {column} IN"
+                                        " (SELECT value FROM json_each(?))", (gone,)) == 0, table
+        # Out of the full-text index's own entries too (its content rows are the memories themselves).
+        assert not set(expired) & {r[0] for r in await db_rows(d, "SELECT rowid FROM memories_fts WHERE memories_fts"
+                                                                   " MATCH ?", (terms,))}
+        assert not any(i in d.vectors.index for i in expired) and kept in d.vectors.index
+        # Old observed events: those a memory still cites keep their row (payload dropped), the others (all of
+        # v-chat's) are deleted.
+        cited = await d.store.scalar("SELECT count(DISTINCT s.event_id) FROM memory_sources s JOIN events e"
+                                     " ON e.id = s.event_id WHERE e.session_id = 'v-old'")
+        assert after["events"]["v-old"] == (cited, cited) and "v-chat" not in after["events"]
+        assert after["events"]["v-new"] == before["events"]["v-new"]  # recent
+        assert after["events"]["v-later"] == before["events"]["v-later"]  # old, but not observed yet
 
 
 # --- digest --------------------------------------------------------------------------------------------------------

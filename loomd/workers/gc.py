@@ -5,6 +5,8 @@ only a retention the user sets (`archived_ttl_days`) deletes archived ones, that
 working set is never touched: memories injected into a recently active session, memories hit recently, open
 tasks and everything linked to them. Raw events older than `event_ttl_days` are purged only once the observer's
 watermark has passed them; an event that a memory cites keeps its row (the provenance link) and loses its payload.
+The evidence passages made from such events are the events' own text, searchable: under that same retention they go
+with them (deleted, outside the working set), so a retention the user sets bounds the evidence tier too.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class GC:
         if scope is None:
             report.detail["skipped"] = "gc is off (config gc = false): it runs only when asked"
             return
+        deleted: set[int] = set()
         async with ctx.write(req.dry_run) as db:
             protected = await working_set(db, cfg, now)
             before = report.items_out
@@ -116,10 +119,13 @@ class GC:
             await self.banned(db, cfg, report, scope)
             await self.dangling_edges(db, report)
             if cfg.archived_ttl_days > 0:
-                await self.delete_archived(db, cfg, now, protected, report, scope)
+                deleted |= await self.delete_archived(db, cfg, now, protected, report, scope)
             if cfg.event_ttl_days > 0:
+                deleted |= await self.expire_evidence(db, cfg, now, protected, report, scope)
                 await self.purge_events(db, cfg, now, report, scope)
             await progress(db, report, 0, report.items_out - before)
+        if deleted and not req.dry_run:
+            ctx.memories.gone(sorted(deleted))
         report.detail["protected"] = len(protected)
         report.detail["projects"] = scope.label
 
@@ -188,7 +194,7 @@ class GC:
             report.wrote("dangling_edges_removed", count=cur.rowcount)
 
     async def delete_archived(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int],
-                              report: RunReport, scope: Scope) -> None:
+                              report: RunReport, scope: Scope) -> set[int]:
         """Memories archived more than `archived_ttl_days` ago (set by the user; off by default): deleted with
         every row that hangs on them (purge's `remove`). The events they cited lose that citation, so the event
         purge (`event_ttl_days`) can then remove them too."""
@@ -199,6 +205,27 @@ class GC:
         if ids:
             await remove(db, Selection(memories=ids), rebuild_fts=False)
             report.wrote("archived_deleted", count=len(ids))
+        return ids
+
+    async def expire_evidence(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int],
+                              report: RunReport, scope: Scope) -> set[int]:
+        """Evidence passages whose every source event is past `event_ttl_days` and passed by the observer (set by
+        the user; off by default): deleted with every row that hangs on them (purge's `remove`), working set
+        excepted. A passage is its events' text: kept, it would keep them cited, and itself and all it indexes
+        (full text, vectors, recurrence pairs, entity edges) would grow for good under a retention."""
+        cutoff = now - cfg.event_ttl_days * 86400
+        # `created` is the step's time, no later than its events': the index on it skips the recent passages.
+        ids = await _ids(db, "SELECT m.id FROM memories m WHERE m.created < ? AND m.kind = 'evidence'"
+                             f" AND m.{scope.where} AND m.id NOT IN (SELECT value FROM json_each(?))"
+                             " AND NOT EXISTS (SELECT 1 FROM memory_sources s JOIN events e ON e.id = s.event_id"
+                             " LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
+                             " WHERE s.memory_id = m.id AND (e.ts >= ? OR c.value IS NULL"
+                             " OR e.id > CAST(c.value AS INTEGER))) LIMIT ?",
+                         (cutoff, scope.param, json.dumps(sorted(protected)), cutoff, PURGE_BATCH))
+        if ids:
+            await remove(db, Selection(memories=ids), rebuild_fts=False)
+            report.wrote("evidence_expired", count=len(ids))
+        return ids
 
     async def purge_events(self, db: aiosqlite.Connection, cfg: Config, now: float, report: RunReport,
                            scope: Scope) -> None:
