@@ -138,6 +138,7 @@ class Daemon:
         self.memories = MemoryWriter(self.store)
         self.memories.stale.append(self.vectors.mark_dirty)
         self.memories.committed.append(self.vectors.wake)
+        self.memories.deleted.append(self.vectors.forget)
         # Captured memories commit inside ingest transactions: wake the back-fill after each commit.
         self.writer.listeners.append(lambda _events: self.memories.changed())
         self.writer.processors.append(Capturer(self.config.capture_rate_per_session, self.memories,

@@ -13,7 +13,7 @@ from conftest import caught_up
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
 from loomd.store.db import connect_sync
-from loomd.vectors.index import as_matrix, sign_bits
+from loomd.vectors.index import BitIndex, Filters, IndexRow, as_matrix, sign_bits
 
 TEXTS = [
     "pytest fails on tests/test_embed.py with ImportError: no module named onnxruntime",
@@ -104,3 +104,25 @@ async def test_semantic_search_timings_name_the_vector_stages(client: AsyncClien
     timings = reply["timings"]
     assert {"embed_ms", "vec_rank_ms", "vec_rerank_ms", "vec_ms"} <= set(timings)
     assert timings["vec_ms"] >= timings["vec_rerank_ms"] >= 0
+
+
+def test_removed_rows_leave_the_index_and_the_rest_still_rank() -> None:
+    """A deleted memory's row goes (the last row fills its hole): never a candidate again, the others still found
+    with the cosines they had, and a new row reuses the room."""
+    rng = np.random.default_rng(7)
+    vectors = rng.standard_normal((6, 8)).astype("<f4")
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+
+    def row(i: int) -> IndexRow:
+        bits = sign_bits(vectors[i - 1])[0]
+        return IndexRow(i, vectors[i - 1].tobytes(), bits, bits, "p", "project", f"s{i}", "fact", float(i))
+
+    index = BitIndex("m", 8)
+    index.upsert(row(i) for i in range(1, 6))
+    before = {i: c for i, c in zip(*index.search(vectors[0], Filters())[:2], strict=True)}
+    index.remove([2, 5, 99])  # a middle row, the last one, one never indexed
+    ids, cosines, eligible = index.search(vectors[0], Filters())
+    assert len(index) == eligible == 3 and sorted(ids) == [1, 3, 4] and 2 not in index and 5 not in index
+    assert all(abs(c - before[i]) < 1e-6 for i, c in zip(ids, cosines, strict=True))
+    index.upsert([row(6)])
+    assert sorted(index.search(vectors[5], Filters())[0]) == [1, 3, 4, 6] and 6 in index

@@ -455,6 +455,7 @@ async def search_hits(
         if not ({"fts", "vec", "graph"} & set(active)):
             pool = await _prior_pool(ctx.store, where, params, n, active)
         facts = await _facts(ctx.store, pool)
+        pool &= facts.keys()  # deleted since the signals read it (a retention's GC): nothing to rank
         now = time.time()
         half_life = max(ctx.half_life_days, 1e-6) * 86400
         if "recency" in active:

@@ -175,12 +175,14 @@ async def supersedes_edges(db: aiosqlite.Connection, pairs: Sequence[tuple[int, 
 class MemoryWriter:
     """The one memory-write path's side effects. Listeners are registered by whoever owns them (the daemon wires
     the vector service): `stale` gets the ids whose vectors must be (re)computed, `committed` is called after a
-    transaction that wrote memories has committed."""
+    transaction that wrote memories has committed, `deleted` gets the ids a committed transaction deleted (a
+    retention: GC's `store.purge.remove`)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.stale: list[Callable[[Sequence[int]], None]] = []
         self.committed: list[Callable[[], None]] = []
+        self.deleted: list[Callable[[Sequence[int]], None]] = []
 
     async def derive(self, db: aiosqlite.Connection, ids: Sequence[int], mentions: Mentions | None = None) -> None:
         """Derived data (entities, edges, neighbour context) in the same transaction as the memories; `mentions`:
@@ -198,6 +200,11 @@ class MemoryWriter:
         """Memories were committed (written, archived or restored)."""
         for listener in self.committed:
             listener()
+
+    def gone(self, ids: Sequence[int]) -> None:
+        """These memories were deleted, and that has committed: whoever keeps a copy of them drops it."""
+        for listener in self.deleted:
+            listener(ids)
 
     @asynccontextmanager
     async def atomic(self) -> AsyncIterator[aiosqlite.Connection]:

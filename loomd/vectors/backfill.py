@@ -249,13 +249,19 @@ def _pair(
                 plan.recurrence.add(other)
 
 
-async def apply_plan(db: aiosqlite.Connection, plan: Plan) -> None:
-    """Write one planned batch inside the caller's transaction."""
+async def apply_plan(db: aiosqlite.Connection, plan: Plan) -> set[int]:
+    """Write one planned batch inside the caller's transaction. The plan's memories deleted since it was read (a
+    retention's GC) are left out, and returned: their rows would outlive them (a vector's foreign key refuses it,
+    and with it the whole batch)."""
+    ids = {r[0] for r in plan.rows} | plan.remixed.keys() | {i for pair in plan.pairs for i in pair}
+    gone = {int(r[0]) for r in await db.execute_fetchall(
+        "SELECT value FROM json_each(?) WHERE value NOT IN (SELECT id FROM memories)", (json.dumps(sorted(ids)),))}
     await db.executemany(
         "INSERT INTO memory_vectors (memory_id, model, content_hash, vec, mixed, bits, raw_bits) VALUES (?,?,?,?,?,?,?)"
         " ON CONFLICT(memory_id) DO UPDATE SET model = excluded.model, content_hash = excluded.content_hash,"
         " vec = excluded.vec, mixed = excluded.mixed, bits = excluded.bits, raw_bits = excluded.raw_bits",
-        [(i, plan.model, h, raw, mix, bits, raw_bits) for i, h, raw, mix, bits, raw_bits in plan.rows])
+        [(i, plan.model, h, raw, mix, bits, raw_bits) for i, h, raw, mix, bits, raw_bits in plan.rows
+         if i not in gone])
     await db.executemany(
         "UPDATE memory_vectors SET mixed = ?, bits = ? WHERE memory_id = ? AND +model = ?",
         [(mix, bits, i, plan.model) for i, (mix, bits) in plan.remixed.items()])
@@ -263,7 +269,8 @@ async def apply_plan(db: aiosqlite.Connection, plan: Plan) -> None:
     await db.executemany("DELETE FROM memory_near WHERE a = ? AND b = ?",
                          [pair for a, b in plan.old_pairs for pair in ((a, b), (b, a))])
     await db.executemany("INSERT OR REPLACE INTO memory_near (a, b, cosine) VALUES (?, ?, ?)",
-                         [(a, b, c) for (a, b), c in plan.pairs.items()])
+                         [(a, b, c) for (a, b), c in plan.pairs.items() if a not in gone and b not in gone])
+    return gone
 
 
 async def update_recurrence(db: aiosqlite.Connection, ids: Sequence[int]) -> None:

@@ -183,6 +183,22 @@ class BitIndex:
                 a["kind"][at] = self._code("k:" + row.kind)
                 a["created"][at] = row.created
 
+    def remove(self, ids: Iterable[int]) -> None:
+        """Drop these memories' rows (ids not indexed are ignored): the last row moves into each hole, so the
+        arrays stay dense (a search scans live rows only) and the next upserts reuse the room."""
+        with self._lock:
+            a = self._arrays
+            for memory_id in ids:
+                at = self._pos.pop(memory_id, None)
+                if at is None:
+                    continue
+                last = self._n - 1
+                if at != last:
+                    for column in a.values():
+                        column[at] = column[last]
+                    self._pos[int(a["id"][at])] = at
+                self._n = last
+
     def set_mixed(self, updates: Iterable[tuple[int, bytes, bytes]]) -> None:
         """New mixed vectors (and their bits) for memories already indexed: their session neighbours changed."""
         with self._lock:

@@ -183,6 +183,12 @@ class VectorService:
         self._written.update(ids)
         self.generation += 1
 
+    def forget(self, ids: Sequence[int]) -> None:
+        """These memories were deleted: out of the index, whose rows would otherwise outlive them for good (a
+        retention deletes as fast as the store grows)."""
+        if self.index is not None:
+            self.index.remove(ids)
+
     def _promote(self) -> None:
         written = list(self._written)
         self._written.difference_update(written)
@@ -270,15 +276,15 @@ class VectorService:
         plan = await asyncio.get_running_loop().run_in_executor(self._bulk, self._plan)
         if plan is None:
             return True
-        await commit_in_one_trip(self.store, functools.partial(apply_plan, plan=plan))  # held for the statements
+        gone = await commit_in_one_trip(self.store, functools.partial(apply_plan, plan=plan))  # held for the statements
         # Recounting recurrence touches every partner's pairs: small transactions, so ingest never waits long.
-        affected = sorted(plan.recurrence)
+        affected = sorted(plan.recurrence - gone)
         for start in range(0, len(affected), RECOUNT_CHUNK):
             async with self.store.atomic() as db:
                 await update_recurrence(db, affected[start : start + RECOUNT_CHUNK])
         if self.index is None:
             self.index = BitIndex(plan.model, len(plan.rows[0][2]) // 4)  # the provider's first vectors
-        self.index.upsert(plan.index_rows)
+        self.index.upsert(row for row in plan.index_rows if row.id not in gone)
         self.index.set_mixed((i, mixed, bits) for i, (mixed, bits) in plan.remixed.items())
         self.embedded += plan.embedded
         self.copied += plan.copied
