@@ -32,6 +32,7 @@ from loomd.vectors.embed import (
     to_blob,
 )
 from loomd.vectors.index import as_matrix, sign_bits
+from loomd.vectors.quantised import gather_rows_first
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "loomd" / "models" / "minilm-tokenizer.json"
 
@@ -300,3 +301,22 @@ async def test_a_private_project_never_reaches_a_remote_embedder(
         await client.call("search", query="when is the Quokkafrost launch", cwd=str(secret))
         sent = json.dumps(_FakeOpenAI.requests)
         assert "The Quokkafrost launch moves to May" in sent and "when is the Quokkafrost launch" in sent
+
+
+def test_embedding_tables_read_int8_rows_with_the_same_numbers() -> None:
+    """The local model's embedding tables are gathered as int8 rows and dequantised after (vectors/quantised.py):
+    the hidden states are the original graph's bit for bit; the rewrite leaves nothing more to rewrite."""
+    import numpy as np
+    import onnxruntime as ort
+
+    original = default_model_path().read_bytes()
+    rewritten = gather_rows_first(original)
+    assert rewritten != original and gather_rows_first(rewritten) == rewritten
+    ids = np.random.default_rng(3).integers(0, 30522, (2, 37))
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    states = []
+    for model in (original, rewritten):
+        session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        wanted = {i.name for i in session.get_inputs()}
+        states.append(session.run(["last_hidden_state"], {k: v for k, v in feeds.items() if k in wanted})[0])
+    assert states[0].shape == (2, 37, LOCAL_DIM) and np.array_equal(states[0], states[1])
