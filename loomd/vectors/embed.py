@@ -203,6 +203,11 @@ class LocalEmbedder:
                                                  providers=["CPUExecutionProvider"])
         except (RuntimeError, ValueError) as exc:  # onnxruntime raises its own RuntimeError subclasses
             raise EmbedderError(f"onnxruntime cannot load {self.model_path}: {exc}; fix: {model_fix}") from exc
+        # onnxruntime's Python session keeps the bytes it was made from for good (its own comment: "This is bad as
+        # we're holding the memory indefinitely"), only to re-create itself on a fallback provider; with the CPU
+        # provider alone there is none. Let go, as onnxruntime does for a session it cannot re-create: 23 MB.
+        self._session.disable_fallback()
+        self._session._model_bytes = None  # noqa: SLF001 - see above
         self._inputs = {i.name for i in self._session.get_inputs()}
         missing = {"input_ids", "attention_mask"} - self._inputs
         if missing:

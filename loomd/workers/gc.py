@@ -28,6 +28,9 @@ OPEN_TASK_STATES = ("draft", "active")
 KIND_WEIGHT = {"constraint": 3.0, "preference": 3.0, "task": 2.5, "handoff": 2.5, "decision": 2.0, "procedure": 2.0,
                "insight": 2.0, "digest": 5.0, "fact": 1.5, "reflection": 1.5, "error": 1.0, "observation": 0.5}
 PURGE_BATCH = 5000
+# Evidence passages deleted a run: `remove` checks every recorded block for each one (the blocks that showed it go),
+# so a run that first meets a long backlog (a retention set on an old store) must not hold the writer for seconds.
+EVIDENCE_BATCH = 1000
 PURGED_PAYLOAD = '{"purged": true}'
 
 
@@ -221,7 +224,7 @@ class GC:
                              " LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
                              " WHERE s.memory_id = m.id AND (e.ts >= ? OR c.value IS NULL"
                              " OR e.id > CAST(c.value AS INTEGER))) LIMIT ?",
-                         (cutoff, scope.param, json.dumps(sorted(protected)), cutoff, PURGE_BATCH))
+                         (cutoff, scope.param, json.dumps(sorted(protected)), cutoff, EVIDENCE_BATCH))
         if ids:
             await remove(db, Selection(memories=ids), rebuild_fts=False)
             report.wrote("evidence_expired", count=len(ids))
