@@ -7,10 +7,14 @@ private LOOMD_HOME (or `--socket` of a running daemon). The daemon's RSS, open d
 every second. Errors must be 0 and RSS flat after warm-up. Prints one JSON object on stdout.
 
 `--fixed-size` (issue #17) holds the store's size constant by GC, under retention set explicitly (none is on by
-default): raw events are purged a minute after the observer passed them (`event_ttl_days`), each project keeps at
-most 300 live memories (`project_memory_cap`), archived memories are deleted a minute after (`archived_ttl_days`),
-the workers run every 10 s; the samples then add the database's bytes and the offload process's RSS (the embedding
-model lives there), and the slopes are taken over their sum.
+default): raw events are purged a minute after the observer passed them (`event_ttl_days`, and the evidence
+passages made from them with them), each project keeps at most 300 live memories (`project_memory_cap`), archived
+memories are deleted a minute after (`archived_ttl_days`), the working set (what GC never touches: memories injected
+or hit recently) spans the last minute, not a week (`working_set_days`: at the soak's pace a week is its whole life,
+and everything ever injected would be kept), the workers run every 10 s. The samples then add the database's bytes
+(file and WAL: `db_mb`; the pages holding data, without the free list: `live_mb`) and the offload process's RSS
+(the embedding model lives there); the slopes are taken over each and over the sum of the RSSs, and the JSON ends
+with the database's largest tables and indexes (`db_tables`, MB and rows, read after the daemon stopped).
 
     python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25] [--socket PATH] [--fixed-size]
 """
@@ -26,6 +30,7 @@ import platform
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -176,7 +181,9 @@ async def persistent(name: str, sock: Path, stop: asyncio.Event, stats: Stats, p
 
 
 async def sampler(pid: int | None, sock: Path, stop: asyncio.Event, every: float, t0: float,
-                  series: list[dict[str, Any]]) -> None:
+                  series: list[dict[str, Any]], db: Path | None) -> None:
+    # Read-only, outside any transaction between samples: it never holds a checkpoint back.
+    live = sqlite3.connect(f"file:{db}?mode=ro", uri=True, isolation_level=None) if db is not None else None
     async with AsyncClient(sock) as client:
         while not stop.is_set():
             row: dict[str, Any] = {"t": round(time.monotonic() - t0, 1)}
@@ -186,6 +193,11 @@ async def sampler(pid: int | None, sock: Path, stop: asyncio.Event, every: float
             row.update(events=status["counts"]["events"], memories=status["counts"]["memories"],
                        queue=status["queue_depth"], inflight=status["inflight"], spool=status["spool_backlog"],
                        db_mb=round(status["db_bytes"] / 2**20, 2))
+            if live is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    pages, free, size = (live.execute(f"PRAGMA {p}").fetchone()[0]
+                                         for p in ("page_count", "freelist_count", "page_size"))
+                    row["live_mb"] = round((pages - free) * size / 2**20, 2)
             child = (status.get("offload") or {}).get("pid")
             if pid is not None and child:
                 with contextlib.suppress(OSError, KeyError):
@@ -196,9 +208,11 @@ async def sampler(pid: int | None, sock: Path, stop: asyncio.Event, every: float
                 await asyncio.wait_for(stop.wait(), every)
             except TimeoutError:
                 pass
+    if live is not None:
+        live.close()
 
 
-async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str) -> dict[str, Any]:
+async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, db: Path | None) -> dict[str, Any]:
     stats = Stats()
     stop = asyncio.Event()
     rng = random.Random(7)
@@ -236,7 +250,7 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str) 
     tasks += [asyncio.create_task(persistent("search", sock, stop, stats, 0.02, search)),
               asyncio.create_task(persistent("context", sock, stop, stats, 0.05, context)),
               asyncio.create_task(persistent("store", sock, stop, stats, 0.5, store)),
-              asyncio.create_task(sampler(pid, sock, stop, 1.0, t0, series))]
+              asyncio.create_task(sampler(pid, sock, stop, 1.0, t0, series, db))]
     if workers:
         tasks.append(asyncio.create_task(persistent("workers", sock, stop, stats, 3.0, worker)))
     await asyncio.sleep(opts.seconds)
@@ -271,6 +285,14 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str) 
                                    "slope_mb_per_min_after_warmup": round(slope(steady, "total_rss_mb") * 60, 2)}
         out["db_mb"] = {"after_warmup": steady[0]["db_mb"], "end": series[-1]["db_mb"],
                         "slope_mb_per_min_after_warmup": round(slope(steady, "db_mb") * 60, 3)}
+        if all("live_mb" in r for r in steady):
+            out["live_mb"] = {"after_warmup": steady[0]["live_mb"], "end": series[-1]["live_mb"],
+                              "max": max(r["live_mb"] for r in steady),
+                              "slope_mb_per_min_after_warmup": round(slope(steady, "live_mb") * 60, 3)}
+        if all("offload_rss_mb" in r for r in steady):
+            out["offload_rss_mb"] = {"after_warmup": steady[0]["offload_rss_mb"], "end": series[-1]["offload_rss_mb"],
+                                     "max": max(r["offload_rss_mb"] for r in series),
+                                     "slope_mb_per_min_after_warmup": round(slope(steady, "offload_rss_mb") * 60, 2)}
         out["events_held"] = {"after_warmup": steady[0]["events"], "end": series[-1]["events"]}
         out["fds"] = {"start": series[0]["fds"], "after_warmup": steady[0]["fds"], "end": series[-1]["fds"],
                       "max": max(r["fds"] for r in series)}
@@ -296,8 +318,19 @@ def slope(rows: list[dict[str, Any]], key: str) -> float:
 # --fixed-size: what GC keeps (events a minute after they were observed, 300 live memories a project, archived ones a
 # minute).
 FIXED_SIZE = {"LOOMD_EVENT_TTL_DAYS": str(60 / 86400), "LOOMD_PROJECT_MEMORY_CAP": "300",
-              "LOOMD_ARCHIVED_TTL_DAYS": str(60 / 86400),
+              "LOOMD_ARCHIVED_TTL_DAYS": str(60 / 86400), "LOOMD_WORKING_SET_DAYS": str(60 / 86400),
               "LOOMD_WORKER_INTERVAL_S": "10", "LOOMD_OBSERVE_IDLE_S": "20"}
+
+
+def db_tables(db: Path, top: int = 12) -> list[dict[str, Any]]:
+    """The largest tables and indexes of the file (SQLite's `dbstat`): what a store that grows grows in."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        sizes = conn.execute("SELECT name, sum(pgsize) FROM dbstat GROUP BY name ORDER BY 2 DESC LIMIT ?",
+                             (top,)).fetchall()
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+        return [{"name": name, "mb": round(size / 2**20, 2),
+                 **({"rows": conn.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]} if name in tables else {})}
+                for name, size in sizes]
 
 
 def start_daemon(home: Path, embedder: str, extra: dict[str, str] | None = None
@@ -350,13 +383,13 @@ def main(argv: list[str] | None = None) -> int:
             home.mkdir(mode=0o700)
             proc, ready = start_daemon(home, opts.embedder, FIXED_SIZE if opts.fixed_size else None)
             report["daemon_ready_s"] = round(ready, 3)
-            sock, pid = home / "loomd.sock", proc.pid
+            sock, pid, db = home / "loomd.sock", proc.pid, home / "loomd.db"
         else:
-            sock, pid = opts.socket, None
+            sock, pid, db = opts.socket, None, None
         (root / "work").mkdir()
         with Client(sock) as c:
             report["versions"] = c.call("status")["versions"]
-        report.update(asyncio.run(soak(sock, pid, opts, str(root / "work"))))
+        report.update(asyncio.run(soak(sock, pid, opts, str(root / "work"), db)))
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             report["daemon_exit"] = proc.wait(60)
@@ -365,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
                               if " WARNING " in line or " ERROR " in line)
             report["daemon_log"] = {"errors": log.count(" ERROR "), "warnings": log.count(" WARNING "),
                                     "tracebacks": log.count("Traceback"), "top": notable.most_common(5)}
+            if "Traceback" in log:  # the first one whole: what an `internal` error was
+                start = log.index("Traceback")
+                report["daemon_log"]["first_traceback"] = log[start:start + 3000].split("\n20", 1)[0]
+            if opts.fixed_size:
+                report["db_tables"] = db_tables(home / "loomd.db")
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
