@@ -514,11 +514,18 @@ async def test_events_are_purged_only_after_the_observer_passed_them(monkeypatch
         assert payloads in ([], ['{"purged": true}'])
 
 
+async def sessions_cited(d: Daemon, memory_id: int) -> set[str]:
+    rows = await db_rows(d, "SELECT e.session_id FROM memory_sources s JOIN events e ON e.id = s.event_id"
+                            " WHERE s.memory_id = ?", (memory_id,))
+    return {r[0] for r in rows}
+
+
 async def test_evidence_passages_go_with_their_events_only_under_a_retention(monkeypatch, home) -> None:
     """Evidence passages are their events' text. By default GC keeps both for good; with `event_ttl_days` set,
     a passage whose events are all past it and observed is deleted with all it indexes (full text, vector, its
-    row in the in-memory index, pairs, edges), so its events lose that citation and go too. A passage in the
-    working set stays, and so does what is recent or not yet observed."""
+    row in the in-memory index, pairs, edges), so its events lose that citation and go too; a passage seen again
+    recently (the same text) stays, citing only its recent events. A passage in the working set stays, and so does
+    what is recent or not yet observed."""
     old, now = time.time() - 3 * 86400, time.time()
 
     async def state(d: Daemon) -> dict[str, Any]:
@@ -530,7 +537,8 @@ async def test_evidence_passages_go_with_their_events_only_under_a_retention(mon
 
     async with loomd(monkeypatch, home, embedder="local") as (d, client):
         recent = [user("v-new", "Deploy the staging build with the new cache settings, please.", now - 60),
-                  *shell("v-new", "make deploy-staging", "deployed build 42 to staging in 31s", now - 50)]
+                  *shell("v-new", "make deploy-staging", "deployed build 42 to staging in 31s", now - 50),
+                  assistant("v-new", "Done. The uploader now retries three times with exponential backoff.", now - 40)]
         chat = [user("v-chat", "What does the transfer module do exactly?", old),
                 assistant("v-chat", "It copies the nightly exports between the two storage buckets.", old + 1)]
         await ingest(client, work_session("v-old", old) + chat + recent
@@ -540,11 +548,15 @@ async def test_evidence_passages_go_with_their_events_only_under_a_retention(mon
         await caught_up(client)
         before = await state(d)
         assert all(before["evidence"].values()) and before["events"]["v-old"][1] == 0
+        # The same closing message in both sessions: one passage (deduplicated), citing both.
+        ((shared,),) = await db_rows(d, "SELECT id FROM memories WHERE kind = 'evidence'"
+                                        " AND text LIKE '%retries three times%'")
+        assert await sessions_cited(d, shared) == {"v-old", "v-new"}
         gc = await client.call("workers_run", name="gc")
         assert "evidence_expired" not in {o["action"] for o in gc["output"]}
         assert await state(d) == before  # no retention set: nothing removed, no payload dropped
 
-    kept, *expired = before["evidence"]["v-old"]
+    kept, *expired = [i for i in before["evidence"]["v-old"] if i != shared]
     expired += before["evidence"]["v-chat"]
     terms = "uploader OR tenacity OR pytest OR exports OR buckets"
     async with loomd(monkeypatch, home, embedder="local", event_ttl_days=1, archived_ttl_days=1) as (d, client):
@@ -560,7 +572,9 @@ async def test_evidence_passages_go_with_their_events_only_under_a_retention(mon
                              (old,))
         gc = await client.call("workers_run", name="gc")
         after = await state(d)
-        assert after["evidence"] == {"v-old": [kept], "v-chat": [], "v-new": before["evidence"]["v-new"]}
+        assert after["evidence"] == {"v-old": sorted([kept, shared]), "v-chat": [],
+                                     "v-new": before["evidence"]["v-new"]}
+        assert await sessions_cited(d, shared) == {"v-new"}
         assert {"evidence_expired", "events_purged"} <= {o["action"] for o in gc["output"]}
         gone = json.dumps(expired)
         for table, column in (("memory_sources", "memory_id"), ("memory_vectors", "memory_id"), ("memory_near", "a"),

@@ -212,22 +212,29 @@ class GC:
 
     async def expire_evidence(self, db: aiosqlite.Connection, cfg: Config, now: float, protected: set[int],
                               report: RunReport, scope: Scope) -> set[int]:
-        """Evidence passages whose every source event is past `event_ttl_days` and passed by the observer (set by
-        the user; off by default): deleted with every row that hangs on them (purge's `remove`), working set
-        excepted. A passage is its events' text: kept, it would keep them cited, and itself and all it indexes
-        (full text, vectors, recurrence pairs, entity edges) would grow for good under a retention."""
+        """Under `event_ttl_days` (set by the user; off by default) an evidence passage, its events' own text, goes
+        with them, working set excepted: its links to events past the TTL and passed by the observer are dropped,
+        and a passage left with none is deleted with every row that hangs on them (purge's `remove`). A passage
+        seen again (the same text, deduplicated: `git status` saying "clean" every day) keeps only its recent
+        events. Kept, a passage would keep its events cited, and itself and all it indexes (full text, vectors,
+        recurrence pairs, entity edges) would grow for good under a retention."""
         cutoff = now - cfg.event_ttl_days * 86400
-        # `created` is the step's time, no later than its events': the index on it skips the recent passages.
-        ids = await _ids(db, "SELECT m.id FROM memories m WHERE m.created < ? AND m.kind = 'evidence'"
-                             f" AND m.{scope.where} AND m.id NOT IN (SELECT value FROM json_each(?))"
-                             " AND NOT EXISTS (SELECT 1 FROM memory_sources s JOIN events e ON e.id = s.event_id"
-                             " LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
-                             " WHERE s.memory_id = m.id AND (e.ts >= ? OR c.value IS NULL"
-                             " OR e.id > CAST(c.value AS INTEGER))) LIMIT ?",
-                         (cutoff, scope.param, json.dumps(sorted(protected)), cutoff, EVIDENCE_BATCH))
+        # `created` is the step's first time, no later than its events': the index on it skips the recent passages.
+        old = (f"SELECT m.id FROM memories m WHERE m.created < ? AND m.kind = 'evidence' AND m.{scope.where}"
+               " AND m.id NOT IN (SELECT value FROM json_each(?))")
+        params = (cutoff, scope.param, json.dumps(sorted(protected)))
+        cur = await db.execute(
+            f"DELETE FROM memory_sources WHERE (memory_id, event_id) IN (SELECT s.memory_id, s.event_id FROM ({old}) o"
+            " JOIN memory_sources s ON s.memory_id = o.id JOIN events e ON e.id = s.event_id"
+            " JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
+            " WHERE e.ts < ? AND e.id <= CAST(c.value AS INTEGER))", (*params, cutoff))
+        unlinked = max(cur.rowcount, 0)
+        ids = await _ids(db, f"{old} AND NOT EXISTS (SELECT 1 FROM memory_sources s WHERE s.memory_id = m.id) LIMIT ?",
+                         (*params, EVIDENCE_BATCH))
         if ids:
             await remove(db, Selection(memories=ids), rebuild_fts=False)
-            report.wrote("evidence_expired", count=len(ids))
+        if ids or unlinked:
+            report.wrote("evidence_expired", count=len(ids), links=unlinked)
         return ids
 
     async def purge_events(self, db: aiosqlite.Connection, cfg: Config, now: float, report: RunReport,
