@@ -276,7 +276,8 @@ class Store:
                     with contextlib.suppress(*DB_ERRORS):
                         await asyncio.shield(self.writer.execute(f"PRAGMA synchronous = {SYNCHRONOUS}"))
 
-    async def commit_on_thread(self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True) -> tuple[T, int]:
+    async def commit_on_thread(self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True,
+                               urgent: bool = False) -> tuple[T, int]:
         """`fn` in a write transaction of its own, BEGIN to COMMIT in one trip to the writer's thread: its
         writer-lock hold, which hooks wait behind, is the statements alone (a trip per statement also waits for the
         event loop's turn each time). Rolled back if `fn` raises, or if the caller is cancelled before its COMMIT
@@ -285,10 +286,10 @@ class Store:
 
         `durable=False` commits without waiting for the disk (synchronous NORMAL for this one transaction): a crash
         of the process keeps it, a power cut may undo it until the next durable commit, any caller's, syncs the
-        log; for what a replay redoes (sync marking what the server holds). Returns fn's result and
-        `durable_commits` as of this commit: once that count has moved, the transaction is on disk."""
+        log; for what a replay redoes (sync marking what the server holds); `urgent` as `atomic`'s. Returns fn's
+        result and `durable_commits` as of this commit: once that count has moved, the transaction is on disk."""
         abandoned = threading.Event()
-        async with self._write_lock.hold():
+        async with self._write_lock.hold(urgent):
             try:
                 result = await on_thread(self.writer, functools.partial(_transaction, fn, durable, abandoned))
             except asyncio.CancelledError:
