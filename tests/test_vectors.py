@@ -123,4 +123,4 @@ async def test_the_back_fill_waits_while_hooks_arrive_and_catches_up_when_they_p
         held.append((await client.call("status"))["embedder"]["held"])
     assert any(held), held
     status = await caught_up(client)
-    assert not status["held"] and status["vectors"] == 2, status
+    assert not status["held"] and status["vectors"] >= 2, status
