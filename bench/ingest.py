@@ -223,8 +223,9 @@ def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str, 
         "cpu_ms_per_event": {k: round((cpu_after[k] - cpu_before[k]) * 1000 / max(1, len(latencies)), 3)
                              for k in cpu_after},
         "events_per_commit": round(stored / commits, 2) if commits else None,  # group commit at work
-        # From the last ack until the back-fill had embedded what the clients' events captured (it may wait for
-        # them to pause): what the acks' speed was traded against, if anything.
+        # From the last ack until the back-fill was first caught up with nothing pending (it may wait for the clients
+        # to pause). Not the whole catch-up: the workers run on their own schedule, and what they write is embedded
+        # after that.
         "embedded_after_s": catchup,
     }
 
