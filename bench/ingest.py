@@ -206,6 +206,7 @@ def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str, 
     wall = time.perf_counter() - t0
     cpu_after = daemon_cpu(home, pid)
     last = status(home)
+    catchup = embedded_after(home, t0 + wall)
     stored = last["counts"]["events"] - before
     commits = None if commits_before is None else last["storage"]["commits"] - commits_before
     latencies = [x for r in results for x in r["latencies"]]
@@ -222,7 +223,24 @@ def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str, 
         "cpu_ms_per_event": {k: round((cpu_after[k] - cpu_before[k]) * 1000 / max(1, len(latencies)), 3)
                              for k in cpu_after},
         "events_per_commit": round(stored / commits, 2) if commits else None,  # group commit at work
+        # From the last ack until the back-fill was first caught up with nothing pending (it may wait for the clients
+        # to pause). Not the whole catch-up: the workers run on their own schedule, and what they write is embedded
+        # after that.
+        "embedded_after_s": catchup,
     }
+
+
+def embedded_after(home: Path, since: float, timeout: float = 120.0) -> float | None:
+    """Seconds from `since` (perf_counter) until the embedder is caught up with nothing pending; None if it has no
+    embedder, or did not catch up within `timeout`."""
+    while time.perf_counter() - since < timeout:
+        emb = status(home)["embedder"]
+        if emb.get("state") in ("off", "failed"):
+            return None
+        if emb.get("caught_up") and not emb.get("pending"):
+            return round(time.perf_counter() - since, 3)
+        time.sleep(0.05)
+    return None
 
 
 # ---------------------------------------------------------------- baselines

@@ -139,10 +139,11 @@ class Daemon:
         self.memories.stale.append(self.vectors.mark_dirty)
         self.memories.committed.append(self.vectors.wake)
         self.memories.deleted.append(self.vectors.forget)
-        # Captured memories commit inside ingest transactions: wake the back-fill after each commit.
+        capturer = Capturer(self.config.capture_rate_per_session, self.memories, lambda: self.config)
+        self.writer.processors.append(capturer)
+        # Captured memories commit inside ingest transactions: marked for the back-fill, which is woken, after each.
+        self.writer.listeners.append(capturer.listener)
         self.writer.listeners.append(lambda _events: self.memories.changed())
-        self.writer.processors.append(Capturer(self.config.capture_rate_per_session, self.memories,
-                                               lambda: self.config))
         self.planner = Planner(self.store, lambda: self.config, self.search, self.vectors.searchable)
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
@@ -161,8 +162,10 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"cannot create {paths.spool}: {exc.strerror or exc}") from None
         self.history = HistoryImporter(self.store, self.tailer, idle_s=self.config.import_idle_s)
-        # An import first: its memories are embedded and its sessions observed after it.
-        self.vectors.hold = self.scheduler.hold = lambda: self.history.active
+        # An import first: its memories are embedded and its sessions observed after it. Live hooks first too: the
+        # back-fill and the workers catch up when they pause (`LiveTraffic`).
+        history, live = self.history, self.writer.live
+        self.vectors.hold = self.scheduler.hold = lambda: history.active or live.busy()
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,

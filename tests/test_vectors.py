@@ -4,6 +4,7 @@ numpy cosine over the same blobs, and against the daemon's own semantic search."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +127,22 @@ def test_removed_rows_leave_the_index_and_the_rest_still_rank() -> None:
     assert all(abs(c - before[i]) < 1e-6 for i, c in zip(ids, cosines, strict=True))
     index.upsert([row(6)])
     assert sorted(index.search(vectors[5], Filters())[0]) == [1, 3, 4, 6] and 6 in index
+
+
+async def test_the_back_fill_waits_while_hooks_arrive_and_catches_up_when_they_pause(client: AsyncClient) -> None:
+    """Live hooks come first: while they arrive the back-fill is held (status says so) and what is stored meanwhile
+    waits; once they pause, it is embedded."""
+    await client.call("store", text=TEXTS[0], project="p")
+    await caught_up(client)
+    held = []
+    for i in range(20):
+        raw = json.dumps({"session_id": "burst", "cwd": "/tmp/burst", "hook_event_name": "PostToolUse",
+                          "tool_name": "Bash", "tool_use_id": f"burst-{i}", "tool_input": {"command": f"make {i}"},
+                          "tool_response": {"stdout": "ok", "stderr": ""}}).encode()
+        await client.call("hook", raw=raw, event="PostToolUse", eid=f"burst-{i}")
+        if i == 5:
+            await client.call("store", text=TEXTS[1], project="p")
+        held.append((await client.call("status"))["embedder"]["held"])
+    assert any(held), held
+    status = await caught_up(client)
+    assert not status["held"] and status["vectors"] >= 2, status

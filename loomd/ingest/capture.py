@@ -1,7 +1,8 @@
 """Zero-LLM auto-capture: the rules that turn a committed event into a memory, on the ingest path.
 
 Every rule is one row of RULES (name, memory kind, importance, what fires it). They run inside the ingest
-transaction, so a captured memory commits with its source event or not at all. Plumbing never fires.
+transaction (on the writer's thread, in the commit's one trip), so a captured memory commits with its source event
+or not at all. Plumbing never fires.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from loomd.ingest.reading import (
     shell_command,
 )
 from loomd.ingest.sentences import classify_user_sentence, user_sentences
+from loomd.store.derived import write_derived
 from loomd.store.memories import MemoryWriter, insert_memory, set_archived, supersede
 
 USER_RULE_CHARS = 320  # a rule in the user's words is kept whole more often than a tool's line (blocks clip it again)
@@ -282,6 +284,14 @@ class Capturer:
         self.config = config  # `auto_capture` and `extract_off`, read per batch (SIGHUP reloads them)
         self.sessions: dict[str, SessionMemory] = {}
         self.fired: dict[str, int] = {}
+        # Memories written by the commit that runs (on the writer's thread): their vectors are due once it is over.
+        self.written: list[int] = []
+
+    def listener(self, _events: Sequence[Event]) -> None:
+        """EventWriter listener (after a commit, on the loop): what the commit captured gets its vectors."""
+        if self.written:
+            ids, self.written = self.written, []
+            self.memories.mark_stale(ids)
 
     async def __call__(self, db: aiosqlite.Connection, events: Sequence[Event]) -> None:
         cfg = self.config() if self.config is not None else None
@@ -358,6 +368,7 @@ class Capturer:
         )
         if is_new:
             await db.execute("UPDATE sessions SET captures = captures + 1 WHERE id = ?", (event.session_id,))
-            await self.memories.derive(db, [memory_id])
+            await write_derived(db, [memory_id])
+            self.written.append(memory_id)
             self.fired[capture.rule] = self.fired.get(capture.rule, 0) + 1
         return memory_id

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import sqlite3
 import time
 from collections import deque
@@ -29,15 +30,18 @@ from loomd.ingest.events import PROMPT_MARK, Event, paired_dedup
 from loomd.ingest.parser import EventParser
 from loomd.ingest.project import project_of
 from loomd.offload import Offload
-from loomd.store.db import Store, on_thread
+from loomd.store.db import Store
+from loomd.store.trip import run_through
 from loomd.store.turns import HOLDER
 
 log = logging.getLogger(__name__)
 
 
-# A processor runs inside the commit transaction with the freshly stored events (capture rules, triggers).
+# A processor runs inside the commit transaction with the freshly stored events (capture rules, a tailer's offset), on
+# the writer's thread (`store.trip.run_through`): it awaits nothing but the connection and touches nothing the event
+# loop owns; what it has for the loop waits for a listener.
 Processor = Callable[[aiosqlite.Connection, Sequence[Event]], Awaitable[None]]
-# A listener runs after the commit, outside the transaction (wake workers, start tailers).
+# A listener runs after the commit, outside the transaction, on the loop (wake workers, start tailers).
 Listener = Callable[[Sequence[Event]], None]
 
 
@@ -59,6 +63,35 @@ SLICE_MIN, SLICE_FIRST = 4, 16  # events in a slice: at least; before the cost o
 
 
 RECENT_ERRORS = 10
+
+# Background work (the back-fill, the scheduled workers) yields while live events arrive: it waits until they have
+# paused this long. An agent's hooks come in bursts (a tool call's Pre/PostToolUse, a prompt) between pauses of
+# seconds (the model thinking); a burst of hooks, many agents at once or a spool replay is served first.
+LIVE_QUIET_S = 0.5
+# ... but a stream of live events that never pauses holds it back at most this long, then lets it run this long.
+YIELD_MAX_S, YIELD_TURN_S = 10.0, 2.0
+
+
+class LiveTraffic:
+    """When live events last arrived, and whether background work should wait for them to pause (`busy`)."""
+
+    def __init__(self) -> None:
+        self.last = -math.inf  # monotonic time of the last live submission
+        self._streak: float | None = None  # since when live events have arrived without a pause
+
+    def arrived(self) -> None:
+        self.last = time.monotonic()
+
+    def busy(self) -> bool:
+        """True while live events arrive (none has paused LIVE_QUIET_S), except for YIELD_TURN_S out of every
+        YIELD_MAX_S + YIELD_TURN_S of an unbroken stream, so that the back-fill and the workers always progress."""
+        now = time.monotonic()
+        if now - self.last >= LIVE_QUIET_S:
+            self._streak = None
+            return False
+        if self._streak is None:
+            self._streak = now
+        return (now - self._streak) % (YIELD_MAX_S + YIELD_TURN_S) < YIELD_MAX_S
 
 
 @dataclass
@@ -93,6 +126,7 @@ class EventWriter:
         self.parser = EventParser(offload)
         self.losses = Losses()
         self.ignored = IgnoredProjects(store.path.parent / IGNORED_FILE)  # `loom project ignore`
+        self.live = LiveTraffic()
 
     @property
     def depth(self) -> int:
@@ -117,6 +151,8 @@ class EventWriter:
         together with the events or not at all; for a `bulk` submitter (committed in slices, see above), together
         with its last events.
         """
+        if not bulk:
+            self.live.arrived()
         # A folder the user keeps out of memory: its events are acknowledged and dropped (stored stays 0).
         roots = self.ignored.roots()
         events = [event for event in events if not covers(roots, event.cwd)]
@@ -236,24 +272,39 @@ class EventWriter:
     async def _commit(self, batch: list[Batch], events: list[Event] | None = None, *, derive: bool = True,
                       durable: bool = True, final: bool = True, urgent: bool = True) -> None:
         """`events` (default: the batch's) in one transaction, with each submitter's `also` when `final`; `urgent`
-        (live submitters) before the workers' and the back-fill's waiting transactions."""
+        (live submitters) before the workers' and the back-fill's waiting transactions.
+
+        BEGIN to COMMIT in one trip to the writer's thread (`Store.commit_on_thread`): the inserts, the processors
+        and the `also`s. A trip per step (BEGIN, the inserts, each capture statement, COMMIT) waited each time for
+        the event loop's turn, busy parsing the next hooks, while the commit held the writer."""
         if events is None:
             events = [e for item in batch for e in item.events]
         HOLDER.set("events:live" if urgent else "events:bulk")  # the writer task's own context
-        async with self.store.atomic(durable=durable, urgent=urgent) as db:
-            # Every event's statements in one trip to the writer's thread: a trip per statement (three per event)
-            # cost more than the statements themselves, and the loop paid for each one.
-            stored = await on_thread(db, functools.partial(insert_events, events=events, now=time.time()))
-            for processor in self.processors if derive else ():
-                try:
-                    await processor(db, stored)
-                except Exception as exc:
-                    raise ProcessorFailed(str(exc)) from exc
-            for item in batch if final else ():
-                if item.also is not None:
-                    await item.also(db, item.events)
+        after = [(item.also, item.events) for item in batch if item.also is not None] if final else []
+        body = functools.partial(write_events, events=events, now=time.time(),
+                                 processors=self.processors if derive else [], after=after)
+        stored, _ = await self.store.commit_on_thread(body, durable=durable, urgent=urgent)
         self.committed += len(stored)
         self.commits += 1
+
+
+def write_events(conn: sqlite3.Connection, events: Sequence[Event], now: float, processors: Sequence[Processor],
+                 after: Sequence[tuple[Processor, Sequence[Event]]]) -> list[Event]:
+    """One commit's body on the writer's thread, inside its transaction: the events (`insert_events`), the processors
+    on those stored now (a processor's failure raises ProcessorFailed), then each submitter's `also`."""
+    stored = insert_events(conn, events, now)
+    for processor in processors:
+        try:
+            run_through(functools.partial(_call, processor, events=stored), conn)
+        except Exception as exc:
+            raise ProcessorFailed(str(exc)) from exc
+    for also, own in after:
+        run_through(functools.partial(_call, also, events=own), conn)
+    return stored
+
+
+def _call(processor: Processor, db: aiosqlite.Connection, events: Sequence[Event]) -> Awaitable[None]:
+    return processor(db, events)
 
 
 def insert_events(conn: sqlite3.Connection, events: Sequence[Event], now: float) -> list[Event]:

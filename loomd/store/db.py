@@ -247,23 +247,18 @@ class Store:
             await self.writer.close()
 
     @asynccontextmanager
-    async def atomic(self, *, durable: bool = True, urgent: bool = False) -> AsyncIterator[aiosqlite.Connection]:
-        """One write transaction at a time; rolled back on any exception, cancellation included.
-
-        `durable=False` commits without waiting for the disk (as `commit_on_thread`'s): for what is acknowledged
-        only after a later durable commit, which syncs it too (a bulk submitter's slices but its last). `urgent`: the
-        transaction goes before the waiting ones that are not (live hooks' commits, `WriteTurns`)."""
-        async with self._write_lock.hold(urgent):
+    async def atomic(self) -> AsyncIterator[aiosqlite.Connection]:
+        """One write transaction at a time, durable; rolled back on any exception, cancellation included. (What
+        commits without waiting for the disk, or before the waiting transactions, goes through `commit_on_thread`.)"""
+        async with self._write_lock.hold():
             try:
                 # BEGIN inside the try: a caller cancelled while BEGIN runs on the connection's thread (a context
                 # deadline) must not leave the one writer connection inside a transaction for good. The ROLLBACK
                 # queues behind whatever statement is still running, so it always undoes the right thing.
-                if not durable:
-                    await self.writer.execute("PRAGMA synchronous = NORMAL")
                 await self.writer.execute("BEGIN IMMEDIATE")
                 yield self.writer
                 await self.writer.execute("COMMIT")
-                self.durable_commits += durable
+                self.durable_commits += 1
             except BaseException as exc:
                 # Nothing to roll back (BEGIN failed) or SQLite already did (a full disk, an I/O error): noise.
                 with contextlib.suppress(*DB_ERRORS):
@@ -271,12 +266,9 @@ class Store:
                 if isinstance(exc, DB_ERRORS) and not isinstance(exc, DB_BUGS):
                     raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
                 raise
-            finally:
-                if not durable:  # queued behind the COMMIT or ROLLBACK: the next transaction is durable again
-                    with contextlib.suppress(*DB_ERRORS):
-                        await asyncio.shield(self.writer.execute(f"PRAGMA synchronous = {SYNCHRONOUS}"))
 
-    async def commit_on_thread(self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True) -> tuple[T, int]:
+    async def commit_on_thread(self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True,
+                               urgent: bool = False) -> tuple[T, int]:
         """`fn` in a write transaction of its own, BEGIN to COMMIT in one trip to the writer's thread: its
         writer-lock hold, which hooks wait behind, is the statements alone (a trip per statement also waits for the
         event loop's turn each time). Rolled back if `fn` raises, or if the caller is cancelled before its COMMIT
@@ -285,10 +277,12 @@ class Store:
 
         `durable=False` commits without waiting for the disk (synchronous NORMAL for this one transaction): a crash
         of the process keeps it, a power cut may undo it until the next durable commit, any caller's, syncs the
-        log; for what a replay redoes (sync marking what the server holds). Returns fn's result and
-        `durable_commits` as of this commit: once that count has moved, the transaction is on disk."""
+        log; for what a replay redoes (sync marking what the server holds), and a bulk ingest's slices but its last
+        (`EventWriter`). `urgent`: the transaction goes before the waiting ones that are not (a live hook's commit,
+        `WriteTurns`). Returns fn's result and `durable_commits` as of this commit: once that count has moved, the
+        transaction is on disk."""
         abandoned = threading.Event()
-        async with self._write_lock.hold():
+        async with self._write_lock.hold(urgent):
             try:
                 result = await on_thread(self.writer, functools.partial(_transaction, fn, durable, abandoned))
             except asyncio.CancelledError:

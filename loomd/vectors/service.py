@@ -90,9 +90,9 @@ class VectorService:
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill",
                                         initializer=functools.partial(lower_thread_priority, EMBED_NICENESS))
         self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query")
-        # True while the back-fill must wait (`loom import` runs: the daemon sets it). On a 2-CPU machine the model
-        # took as much CPU as the import's parsing and commits together (niceness cannot arbitrate when the whole
-        # daemon runs niced); what the import writes is embedded when it is done.
+        # True while the back-fill must wait (`loom import` runs, or live hooks arrive: the daemon sets it). On a
+        # 2-CPU machine the model took as much CPU as the import's parsing and commits together (niceness cannot
+        # arbitrate when the whole daemon runs niced); what the import writes is embedded when it is done.
         self.hold: Callable[[], bool] = lambda: False
 
     # --- lifecycle -------------------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ class VectorService:
             "dim": self.index.dim if self.index is not None else None,
             "vectors": len(self.index) if self.index is not None else 0, "pending": self.pending,
             "caught_up": self.caught_up, "embedded": self.embedded, "copied": self.copied,
-            "held": self.state == "ready" and self.hold(),  # waiting for an import to finish
+            "held": self.state == "ready" and self.hold(),  # waiting for an import to finish, or hooks to pause
         }
         if self.error:
             out["error"] = self.error

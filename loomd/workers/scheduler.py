@@ -70,8 +70,9 @@ class Scheduler:
         self.running: set[asyncio.Task[Any]] = set()
         self.stopping = False
         self.ctx = WorkerContext(store, config, memories, self.wake, offload, sync)
-        # True while scheduled runs must wait (`loom import` runs: the daemon sets it). The workers' text work took
-        # as much CPU as the import's own commits; an imported session is observed once the import is done.
+        # True while scheduled runs must wait (`loom import` runs, or live hooks arrive: the daemon sets it). The
+        # workers' text work took as much CPU as the import's own commits; an imported session is observed once the
+        # import is done.
         self.hold: Callable[[], bool] = lambda: False
 
     @property
