@@ -525,3 +525,30 @@ async def test_an_announcement_shows_what_it_led_to(home: Path, sock_path: Path,
         notes = [r for r in found if r["kind"] == "observation" and r["text"].startswith("`pnpm typecheck` failed:")]
         assert len(notes) == 1, [r["text"][:80] for r in found]
         assert "existing codebase, not in the new SDK" in notes[0]["text"], notes[0]["text"]
+
+
+async def test_of_two_near_copies_the_later_one_takes_the_slot(client: AsyncClient) -> None:
+    """A file written twice, the second time with one line more: the passages are near copies and take one slot.
+    The later one is what the session went on with; it shows, the earlier is collapsed into it, though the earlier
+    (shorter) ranks first by its words."""
+    body = ["def export_orders(batch, target):", '    """Export one batch of orders to the target warehouse."""',
+            "    rows = validate_orders(batch)", "    payload = encode_rows(rows, schema=ORDER_SCHEMA)",
+            "    client = warehouse_client(target, retries=3)", "    receipt = client.upload(payload)",
+            "    audit_log.record(batch.id, receipt.id)", "    return receipt"]
+    project = await _session(client, "copies-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "write the order export"},
+        _write("src/export.py", "\n".join(body)),
+        _write("src/export.py", "\n".join([*body[:5], "    # TODO: stubbed, nothing is sent yet",
+                                            *body[5:]])),
+    ])
+    query = "does export_orders upload the batch of orders to the warehouse"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=5))["results"]
+    copies = [r for r in results if r["kind"] == "evidence" and "export_orders" in r["text"]]
+    assert len(copies) == 1 and copies[0]["collapsed"], [(r["kind"], r["text"][:80]) for r in results]
+    assert "nothing is sent yet" in copies[0]["text"], copies[0]
+
+
+def _write(path: str, content: str) -> dict[str, Any]:
+    return {"hook_event_name": "PostToolUse", "tool_name": "Write",
+            "tool_input": {"file_path": path, "content": content},
+            "tool_response": {"type": "create", "filePath": path}}

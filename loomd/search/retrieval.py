@@ -498,6 +498,14 @@ async def search_hits(
     cited: dict[int, Hit] = {}  # source event -> the hit that holds it
     terms = query_terms(query)
     kept_words: list[tuple[Hit, frozenset[str]]] = []
+
+    def take_slot(old: Hit, new: Hit, words: frozenset[str], mine: Sequence[int]) -> None:
+        """`new` takes `old`'s slot; `old` (and what it held) is collapsed into it."""
+        results[results.index(old)] = new
+        kept_words[:] = [(new, words) if h is old else (h, w) for h, w in kept_words]
+        new.memory["collapsed"] = [old.memory["id"], *old.memory.get("collapsed", [])]
+        cited.update((e, new) for e in (*mine, *(e for e, h in cited.items() if h is old)))
+
     for memory_id, score, parts in candidates:
         if memory_id not in by_id:
             continue
@@ -507,10 +515,15 @@ async def search_hits(
         evidence = item["kind"] == "evidence"
         words = text_terms(item["text"]) if evidence else frozenset()
         twin = next((h for h, w in kept_words if _near(words, w)), None) if evidence else None
-        if twin is not None:  # the same passage again (a todo list rewritten, a file read twice): one slot
-            twin.memory.setdefault("collapsed", []).append(memory_id)
-            continue
         mine = sources.get(memory_id, ())
+        if twin is not None:  # the same passage again (a todo list rewritten, a file read twice): one slot
+            if max(mine, default=0) > max(sources.get(twin.memory["id"], ()), default=0):
+                # ... and the later one is what the session went on with (a file's second version: the one whose
+                # comment says the write is "not yet implemented"), so it takes the slot (coding QA: venus-09).
+                take_slot(twin, hit, words, mine)
+            else:
+                twin.memory.setdefault("collapsed", []).append(memory_id)
+            continue
         # Passages of one step collapse into the best of them (it shows the step's windows that match); passages of
         # different steps that share an event (a call and its result) stay apart.
         holder = next((cited[e] for e in mine if e in cited
@@ -524,11 +537,7 @@ async def search_hits(
                 cited.update((e, hit) for e in mine if e not in cited or cited[e].memory["kind"] == "evidence")
             continue
         if holder.memory["kind"] == "evidence" and not evidence and dense_wins(terms, hit.memory, holder.memory):
-            # The dense memory takes the slot, the passage it came from is collapsed into it.
-            results[results.index(holder)] = hit
-            kept_words[:] = [(hit, words) if h is holder else (h, w) for h, w in kept_words]
-            item["collapsed"] = [holder.memory["id"], *holder.memory.get("collapsed", [])]
-            cited.update((e, hit) for e in (*mine, *(e for e, h in cited.items() if h is holder)))
+            take_slot(holder, hit, words, mine)  # the dense memory: the passage it came from is collapsed into it
         else:
             holder.memory.setdefault("collapsed", []).append(memory_id)
     results = await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query,
