@@ -552,3 +552,25 @@ def _write(path: str, content: str) -> dict[str, Any]:
     return {"hook_event_name": "PostToolUse", "tool_name": "Write",
             "tool_input": {"file_path": path, "content": content},
             "tool_response": {"type": "create", "filePath": path}}
+
+
+async def test_asked_what_the_user_wanted_their_words_around_the_work_answer(client: AsyncClient) -> None:
+    """"Which way of working did the user ask for …?": the user's words said as the work started share no word with
+    the question; they are found next to the work the question's words find."""
+    project = await _session(client, "voice-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "build the order export pipeline for the warehouse"},
+        _write("src/export.py", "def export_pipeline(orders):\n    return [encode(o) for o in orders]"),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "also use tdd and keep commits small please"},
+        _said("Starting the export pipeline again, tests first this time: tests/test_export.py covers the encoder."),
+        _write("tests/test_export.py", "def test_export_pipeline():\n    assert export_pipeline([]) == []"),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "now wire it into the nightly job"},
+        _said("Wired into the nightly job."),
+    ])
+    query = "Which way of working did the user ask for while the export pipeline was being written?"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
+    assert any("use tdd" in r["text"] for r in results), [(r["kind"], r["text"][:80]) for r in results]
+    floored = (await client.call("search", query=query, mode="keyword", project=project, limit=3, floor=True))
+    assert any("use tdd" in r["text"] for r in floored["results"]), floored  # about the query, by what it answers
+    off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
+                             tuning={"voice": 0}))["results"]
+    assert not any("use tdd" in r["text"] for r in off), [(r["kind"], r["text"]) for r in off]
