@@ -554,10 +554,9 @@ def _write(path: str, content: str) -> dict[str, Any]:
             "tool_response": {"type": "create", "filePath": path}}
 
 
-async def test_asked_what_the_user_wanted_their_words_around_the_work_answer(client: AsyncClient) -> None:
-    """"Which way of working did the user ask for …?": the user's words said as the work started share no word with
-    the question; they are found next to the work the question's words find."""
-    project = await _session(client, "voice-1", [
+async def _voice_session(client: AsyncClient) -> str:
+    """A session whose user, as the export pipeline work started, asked for a way of working in words of their own."""
+    return await _session(client, "voice-1", [
         {"hook_event_name": "UserPromptSubmit", "prompt": "build the order export pipeline for the warehouse"},
         _write("src/export.py", "def export_pipeline(orders):\n    return [encode(o) for o in orders]"),
         {"hook_event_name": "UserPromptSubmit", "prompt": "also use tdd and keep commits small please"},
@@ -566,7 +565,16 @@ async def test_asked_what_the_user_wanted_their_words_around_the_work_answer(cli
         {"hook_event_name": "UserPromptSubmit", "prompt": "now wire it into the nightly job"},
         _said("Wired into the nightly job."),
     ])
-    query = "Which way of working did the user ask for while the export pipeline was being written?"
+
+
+VOICE_ASKED = "Which way of working did the user ask for while the export pipeline was being written?"
+
+
+async def test_asked_what_the_user_wanted_their_words_around_the_work_answer(client: AsyncClient) -> None:
+    """"Which way of working did the user ask for …?": the user's words said as the work started share no word with
+    the question; they are found next to the work the question's words find."""
+    project = await _voice_session(client)
+    query = VOICE_ASKED
     results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
     assert any("use tdd" in r["text"] for r in results), [(r["kind"], r["text"][:80]) for r in results]
     floored = (await client.call("search", query=query, mode="keyword", project=project, limit=3, floor=True))
@@ -574,3 +582,12 @@ async def test_asked_what_the_user_wanted_their_words_around_the_work_answer(cli
     off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
                              tuning={"voice": 0}))["results"]
     assert not any("use tdd" in r["text"] for r in off), [(r["kind"], r["text"]) for r in off]
+
+
+async def test_a_prompt_asking_what_the_user_wanted_recalls_their_words(client: AsyncClient) -> None:
+    """The per-prompt recall shows the user's words the search ranks for such a prompt, though neither the vectors
+    nor the keywords found them (context/relevance.py)."""
+    project = await _voice_session(client)
+    reply = await client.call("context", kind="prompt", session_id="a-later-session", project=project,
+                              prompt=VOICE_ASKED)
+    assert "use tdd" in reply["text"], reply["text"]
