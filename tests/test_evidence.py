@@ -591,3 +591,28 @@ async def test_a_prompt_asking_what_the_user_wanted_recalls_their_words(client: 
     reply = await client.call("context", kind="prompt", session_id="a-later-session", project=project,
                               prompt=VOICE_ASKED)
     assert "use tdd" in reply["text"], reply["text"]
+
+
+def _bash(command: str, stdout: str, description: str = "") -> dict[str, Any]:
+    return {"hook_event_name": "PostToolUse", "tool_name": "Bash",
+            "tool_input": {"command": command, **({"description": description} if description else {})},
+            "tool_response": {"stdout": stdout, "stderr": "", "exit_code": 0}}
+
+
+async def test_asked_how_to_run_the_tests_the_run_that_worked_answers(client: AsyncClient) -> None:
+    """"How do I run the exporter test suite?": the steps that only name the project and its tests (making the
+    folders, listing them) hold the question's words as well as the command that passed; the run that worked ranks
+    first."""
+    project = await _session(client, "worked-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "set up the exporter package with a test suite"},
+        _bash("mkdir -p /tmp/exporter/src/exporter /tmp/exporter/tests", "",
+              "Create the exporter package and its test suite folders"),
+        _bash("ls /tmp/exporter/tests", "test_exporter.py\ntest_exporter_suite.py", "List the exporter test suite"),
+        _bash("PYTHONPATH=src python3 -m pytest tests/ -q", "12 passed in 0.31s"),
+    ])
+    query = "How do I run the exporter test suite?"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
+    assert "PYTHONPATH=src python3 -m pytest tests/" in results[0]["text"], [r["text"][:80] for r in results]
+    off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
+                             tuning={"worked": 0}))["results"]
+    assert "PYTHONPATH=src" not in off[0]["text"], [r["text"][:80] for r in off]  # by its words alone, not first

@@ -65,11 +65,18 @@ DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passag
 # (coding QA dev set: all@5 .72 -> .74, all@10 .80 -> .82; weight 1.0 .73, 2.5 .74).
 ENDING_WEIGHT = 1.5
 ENDING_STEPS = 5  # memories (passages, notes) from the session's end
+ENDING_HITS = 10  # the best fused hits whose session is the one asked about
 # Asked what the user wanted (`USER_ASKED`), the user's own words around the work the best hits are about rank as a
 # signal of fts's weight (`_user_words`; coding QA dev set: all@5 .78 -> .79, preferences .83 -> .92, recall .58 -> .59;
 # 1.75 .80, 2.0 .79 with a loss).
 VOICE_WEIGHT = 1.5
 VOICE_HITS = 20  # the best fused hits whose framing words are looked for (10: .78)
+# Asked how to run, build or test something (`RUN_ASKED`), the runs that worked among the best hits rank as a signal:
+# the answer is the command that worked (coding QA dev set: all@5 .79 -> .80, recall .60 -> .61; weight 0.5 and 1.5
+# alike).
+WORKED_WEIGHT = 1.0
+WORKED_HITS = 60
+ASKED_SIGNALS = ("ending", "voice", "worked")  # the rankings a question's form adds (`search_hits`)
 OUTCOME_HOPS = 3  # an announcement's outcome: the next message, or the one after it while each announces again
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
 FTS_BUDGET = 10_000
@@ -85,6 +92,7 @@ TUNING: dict[str, tuple[type, Any, float, float]] = {
     "repeated": (float, REPEATED, 0.0, 2.0),  # see `_repeats`; over 1 never
     "ending": (float, ENDING_WEIGHT, 0.0, 10.0),  # weight of a session's last steps when asked where it stopped
     "voice": (float, VOICE_WEIGHT, 0.0, 10.0),  # weight of the user's words around the hits when asked what they wanted
+    "worked": (float, WORKED_WEIGHT, 0.0, 10.0),  # weight of the runs that worked when asked how to run something
 }
 
 
@@ -274,6 +282,11 @@ ENDING_ASKED = re.compile(
 USER_ASKED = re.compile(
     r"\b(?:user|they|he|she)\b.{0,40}\b(?:ask(?:ed)?|want(?:ed)?|insist(?:ed)?|prefer(?:red)?|request(?:ed)?|told|sa(?:y|id)"
     r"|demand(?:ed)?|forb[ia]d|require[ds]?)\b|\b(?:may|should|can|must) the (?:agent|assistant)\b", re.I)
+# A question about how to run, build or test something: "how do I run the loopkit test suite?", "how is dmux built?".
+RUN_ASKED = re.compile(
+    r"\bhow (?:do|can|should|did|would) (?:i|we|you|one)\b.*\b(?:run|build|test|start|lint|install|launch|serve|deploy"
+    r"|check|type-?check)\b|\bhow (?:is|are|was|were)\b.*\b(?:built|run|started|tested|linted|installed|launched|served"
+    r"|deployed|checked)\b", re.I)
 # A snake_case identifier standing alone, not a piece of a path or a file name ("button_test.go" is found whole).
 _IDENTIFIER_RE = re.compile(r"(?<![\w./\\-])[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+(?![\w/\\-]|\.\w)")
 
@@ -477,17 +490,17 @@ async def search_hits(
             recurring = sorted((i for i in pool if facts[i][1] > 0), key=lambda i: (-facts[i][1], i))
             scored["recurrence"] = [(i, float(facts[i][1])) for i in recurring]
     fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, active, knobs["rrf_k"])
-    if knobs["ending"] > 0 and fused and ENDING_ASKED.search(query):
-        # "Where did it stop?": the last steps of the session the best hits come from, as a signal of their own.
-        scored["ending"] = await _session_end(ctx.store, fused[:10], where, params)
-        fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, {**active, "ending": knobs["ending"]},
-                             knobs["rrf_k"])
-    if knobs["voice"] > 0 and fused and USER_ASKED.search(query):
-        # "What did the user ask for?": what the user said around the work the best hits are about.
-        scored["voice"] = await _user_words(ctx.store, fused[:VOICE_HITS], where, params)
-        fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored},
-                             {**active, **{name: knobs[name] for name in ("ending", "voice") if name in scored}},
-                             knobs["rrf_k"])
+    # A question of a form whose answer shares few of its words gets a ranking of its own, each seeing the fusion so
+    # far: "where did it stop?" (the last steps of the session the best hits come from), "what did the user ask
+    # for?" (what the user said around the work the best hits are about), "how do I run the tests?" (the runs that
+    # worked among the hits).
+    for name, asked, best, ranking in (("ending", ENDING_ASKED, ENDING_HITS, _session_end),
+                                       ("voice", USER_ASKED, VOICE_HITS, _user_words),
+                                       ("worked", RUN_ASKED, WORKED_HITS, _worked)):
+        if knobs[name] > 0 and fused and asked.search(query):
+            scored[name] = await ranking(ctx.store, fused[:best], where, params)
+            fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored},
+                                 {**active, **{n: knobs[n] for n in ASKED_SIGNALS if n in scored}}, knobs["rrf_k"])
     # Collapse by provenance: a candidate whose source events a better one already cites takes no slot of its own
     # (the passages of one tool result, a memory and the evidence it came from); enough candidates for the slots.
     # A passage of an aside (a step that only showed files: a Read, `cat`, `rg`; a message that only announces the
@@ -852,6 +865,25 @@ async def _user_words(store: Store, best: Sequence[tuple[int, float, Any]], wher
     found = [(memory_id, weight[(session_id, event)]) for session_id, words in said.items()
              for event, memory_id in words if (session_id, event) in weight]
     return sorted(found, key=lambda f: (-f[1], f[0] not in verbatim, f[0]))
+
+
+async def _worked(store: Store, best: Sequence[tuple[int, float, Any]], where: str,
+                  params: Sequence[Any]) -> list[tuple[int, float]]:
+    """Of the `best` hits, in their order, the runs that worked: a procedure, the observer's note of a command that
+    passed ("Tests pass: `PYTHONPATH=src python3 -m pytest tests/ -v`", "Works: `pnpm build`"). Asked how to run
+    something, the answer is the command that worked, which a passage that only names the project and its tests
+    ("mkdir -p /tmp/loopkit/tests") outranks by its words."""
+    rows = await _rows(store, [i for i, _, _ in best])
+    return [(i, score) for i, score, _ in best if i in rows and _a_run_that_worked(rows[i]["kind"], rows[i]["meta"])]
+
+
+def _a_run_that_worked(kind: str, meta: str | None) -> bool:
+    if kind == "procedure":
+        return True
+    try:
+        return kind == "observation" and json.loads(meta or "{}").get("type") == "procedure"
+    except ValueError:
+        return False
 
 
 def _in_user_voice(kind: str, meta: str | None, text: str) -> bool:
