@@ -616,3 +616,26 @@ async def test_asked_how_to_run_the_tests_the_run_that_worked_answers(client: As
     off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
                              tuning={"worked": 0}))["results"]
     assert "PYTHONPATH=src" not in off[0]["text"], [r["text"][:80] for r in off]  # by its words alone, not first
+
+
+async def test_asked_what_the_fix_was_the_edit_made_after_answers(client: AsyncClient) -> None:
+    """"… could not be installed. What was the fix?": the failure and the report of it hold the question's words;
+    the change made right after them is the answer."""
+    project = await _session(client, "fix-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "install the graph dependency and wire the agent"},
+        {**_bash("pnpm add graphkit", "ERR_PNPM_FETCH_404 graphkit: the dependency could not be installed"),
+         "tool_response": {"stdout": "", "stderr": "ERR_PNPM_FETCH_404 graphkit: the dependency could not be installed",
+                           "exit_code": 1}},
+        _said("The graphkit dependency could not be installed: the registry has no such package."),
+        {"hook_event_name": "PostToolUse", "tool_name": "Edit",
+         "tool_input": {"file_path": "package.json", "old_string": '"graphkit": "^0.24.0"',
+                        "new_string": '"@graph/kit": "^1.0.2"'},
+         "tool_response": {"filePath": "package.json"}},
+        _bash("pnpm install", "Done in 2.1s", "Install the corrected package"),
+    ])
+    query = "The graphkit dependency could not be installed. What was the fix?"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
+    assert '"@graph/kit": "^1.0.2"' in results[0]["text"], [r["text"][:80] for r in results]
+    off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
+                             tuning={"fix": 0}))["results"]
+    assert "@graph/kit" not in off[0]["text"], [r["text"][:80] for r in off]  # by its words alone, not first
