@@ -610,12 +610,8 @@ async def test_asked_how_to_run_the_tests_the_run_that_worked_answers(client: As
         _bash("ls /tmp/exporter/tests", "test_exporter.py\ntest_exporter_suite.py", "List the exporter test suite"),
         _bash("PYTHONPATH=src python3 -m pytest tests/ -q", "12 passed in 0.31s"),
     ])
-    query = "How do I run the exporter test suite?"
-    results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
-    assert "PYTHONPATH=src python3 -m pytest tests/" in results[0]["text"], [r["text"][:80] for r in results]
-    off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
-                             tuning={"worked": 0}))["results"]
-    assert "PYTHONPATH=src" not in off[0]["text"], [r["text"][:80] for r in off]  # by its words alone, not first
+    await _first_by_its_ranking(client, project, "How do I run the exporter test suite?", "worked",
+                                "PYTHONPATH=src python3 -m pytest tests/")
 
 
 async def test_asked_what_the_fix_was_the_edit_made_after_answers(client: AsyncClient) -> None:
@@ -633,9 +629,14 @@ async def test_asked_what_the_fix_was_the_edit_made_after_answers(client: AsyncC
          "tool_response": {"filePath": "package.json"}},
         _bash("pnpm install", "Done in 2.1s", "Install the corrected package"),
     ])
-    query = "The graphkit dependency could not be installed. What was the fix?"
+    await _first_by_its_ranking(client, project, "The graphkit dependency could not be installed. What was the fix?",
+                                "fix", '"@graph/kit": "^1.0.2"')
+
+
+async def _first_by_its_ranking(client: AsyncClient, project: str, query: str, ranking: str, answer: str) -> None:
+    """The hit showing `answer` is first, and by its words alone (the question form's `ranking` off) it is not."""
     results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
-    assert '"@graph/kit": "^1.0.2"' in results[0]["text"], [r["text"][:80] for r in results]
+    assert answer in results[0]["text"], [r["text"][:80] for r in results]
     off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
-                             tuning={"fix": 0}))["results"]
-    assert "@graph/kit" not in off[0]["text"], [r["text"][:80] for r in off]  # by its words alone, not first
+                             tuning={ranking: 0}))["results"]
+    assert answer not in off[0]["text"], [r["text"][:80] for r in off]
