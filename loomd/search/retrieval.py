@@ -8,6 +8,9 @@ Signals, each usable alone (`weights`), fused by weighted reciprocal rank fusion
 - recency: newest first, and recurrence: what keeps coming back across sessions first. Both only reorder what
   fts and vec found (alone they would push the same memories into every answer); used without those, they rank
   every memory that passes the filters.
+
+A question of a form whose answer shares few of its words adds a ranking of its own: where work stopped (`ending`),
+what the user wanted (`voice`), how to run something (`worked`), what fixed something (`fix`).
 """
 
 from __future__ import annotations
