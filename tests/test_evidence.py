@@ -642,9 +642,9 @@ async def _first_by_its_ranking(client: AsyncClient, project: str, query: str, r
     assert answer not in off[0]["text"], [r["text"][:80] for r in off]
 
 
-async def test_the_edit_that_fixed_it_stays_above_the_floor_and_is_recalled(client: AsyncClient) -> None:
+async def test_the_edit_that_fixed_it_stays_above_the_floor(client: AsyncClient) -> None:
     """The change made right after a failure need not hold a word of the question: for a question about what fixed
-    the failure it is about the query all the same (search/floor.py) and a prompt's recall shows it."""
+    the failure it is about the query all the same (search/floor.py)."""
     project = await _session(client, "fix-2", [
         {"hook_event_name": "UserPromptSubmit", "prompt": "install the graph dependency and wire the agent"},
         {**_bash("pnpm add graphkit", ""),
@@ -657,5 +657,3 @@ async def test_the_edit_that_fixed_it_stays_above_the_floor_and_is_recalled(clie
     query = "The graphkit dependency could not be installed. What was the fix?"
     floored = await client.call("search", query=query, mode="keyword", project=project, limit=3, floor=True)
     assert any("@graph/kit" in r["text"] for r in floored["results"]), floored
-    reply = await client.call("context", kind="prompt", session_id="a-later-session", project=project, prompt=query)
-    assert "@graph/kit" in reply["text"], reply["text"]
