@@ -525,3 +525,135 @@ async def test_an_announcement_shows_what_it_led_to(home: Path, sock_path: Path,
         notes = [r for r in found if r["kind"] == "observation" and r["text"].startswith("`pnpm typecheck` failed:")]
         assert len(notes) == 1, [r["text"][:80] for r in found]
         assert "existing codebase, not in the new SDK" in notes[0]["text"], notes[0]["text"]
+
+
+async def test_of_two_near_copies_the_later_one_takes_the_slot(client: AsyncClient) -> None:
+    """A file written twice, the second time with one line more: the passages are near copies and take one slot.
+    The later one is what the session went on with; it shows, the earlier is collapsed into it, though the earlier
+    (shorter) ranks first by its words."""
+    body = ["def export_orders(batch, target):", '    """Export one batch of orders to the target warehouse."""',
+            "    rows = validate_orders(batch)", "    payload = encode_rows(rows, schema=ORDER_SCHEMA)",
+            "    client = warehouse_client(target, retries=3)", "    receipt = client.upload(payload)",
+            "    audit_log.record(batch.id, receipt.id)", "    return receipt"]
+    project = await _session(client, "copies-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "write the order export"},
+        _write("src/export.py", "\n".join(body)),
+        _write("src/export.py", "\n".join([*body[:5], "    # TODO: stubbed, nothing is sent yet",
+                                            *body[5:]])),
+    ])
+    query = "does export_orders upload the batch of orders to the warehouse"
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=5))["results"]
+    copies = [r for r in results if r["kind"] == "evidence" and "export_orders" in r["text"]]
+    assert len(copies) == 1 and copies[0]["collapsed"], [(r["kind"], r["text"][:80]) for r in results]
+    assert "nothing is sent yet" in copies[0]["text"], copies[0]
+
+
+def _write(path: str, content: str) -> dict[str, Any]:
+    return {"hook_event_name": "PostToolUse", "tool_name": "Write",
+            "tool_input": {"file_path": path, "content": content},
+            "tool_response": {"type": "create", "filePath": path}}
+
+
+async def _voice_session(client: AsyncClient) -> str:
+    """A session whose user, as the export pipeline work started, asked for a way of working in words of their own."""
+    return await _session(client, "voice-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "build the order export pipeline for the warehouse"},
+        _write("src/export.py", "def export_pipeline(orders):\n    return [encode(o) for o in orders]"),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "also use tdd and keep commits small please"},
+        _said("Starting the export pipeline again, tests first this time: tests/test_export.py covers the encoder."),
+        _write("tests/test_export.py", "def test_export_pipeline():\n    assert export_pipeline([]) == []"),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "now wire it into the nightly job"},
+        _said("Wired into the nightly job."),
+    ])
+
+
+VOICE_ASKED = "Which way of working did the user ask for while the export pipeline was being written?"
+
+
+async def test_asked_what_the_user_wanted_their_words_around_the_work_answer(client: AsyncClient) -> None:
+    """"Which way of working did the user ask for …?": the user's words said as the work started share no word with
+    the question; they are found next to the work the question's words find."""
+    project = await _voice_session(client)
+    query = VOICE_ASKED
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
+    assert any("use tdd" in r["text"] for r in results), [(r["kind"], r["text"][:80]) for r in results]
+    floored = (await client.call("search", query=query, mode="keyword", project=project, limit=3, floor=True))
+    assert any("use tdd" in r["text"] for r in floored["results"]), floored  # about the query, by what it answers
+    off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
+                             tuning={"voice": 0}))["results"]
+    assert not any("use tdd" in r["text"] for r in off), [(r["kind"], r["text"]) for r in off]
+
+
+async def test_a_prompt_asking_what_the_user_wanted_recalls_their_words(client: AsyncClient) -> None:
+    """The per-prompt recall shows the user's words the search ranks for such a prompt, though neither the vectors
+    nor the keywords found them (context/relevance.py)."""
+    project = await _voice_session(client)
+    reply = await client.call("context", kind="prompt", session_id="a-later-session", project=project,
+                              prompt=VOICE_ASKED)
+    assert "use tdd" in reply["text"], reply["text"]
+
+
+def _bash(command: str, stdout: str, description: str = "") -> dict[str, Any]:
+    return {"hook_event_name": "PostToolUse", "tool_name": "Bash",
+            "tool_input": {"command": command, **({"description": description} if description else {})},
+            "tool_response": {"stdout": stdout, "stderr": "", "exit_code": 0}}
+
+
+async def test_asked_how_to_run_the_tests_the_run_that_worked_answers(client: AsyncClient) -> None:
+    """"How do I run the exporter test suite?": the steps that only name the project and its tests (making the
+    folders, listing them) hold the question's words as well as the command that passed; the run that worked ranks
+    first."""
+    project = await _session(client, "worked-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "set up the exporter package with a test suite"},
+        _bash("mkdir -p /tmp/exporter/src/exporter /tmp/exporter/tests", "",
+              "Create the exporter package and its test suite folders"),
+        _bash("ls /tmp/exporter/tests", "test_exporter.py\ntest_exporter_suite.py", "List the exporter test suite"),
+        _bash("PYTHONPATH=src python3 -m pytest tests/ -q", "12 passed in 0.31s"),
+    ])
+    await _first_by_its_ranking(client, project, "How do I run the exporter test suite?", "worked",
+                                "PYTHONPATH=src python3 -m pytest tests/")
+
+
+async def test_asked_what_the_fix_was_the_edit_made_after_answers(client: AsyncClient) -> None:
+    """"… could not be installed. What was the fix?": the failure and the report of it hold the question's words;
+    the change made right after them is the answer."""
+    project = await _session(client, "fix-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "install the graph dependency and wire the agent"},
+        {**_bash("pnpm add graphkit", "ERR_PNPM_FETCH_404 graphkit: the dependency could not be installed"),
+         "tool_response": {"stdout": "", "stderr": "ERR_PNPM_FETCH_404 graphkit: the dependency could not be installed",
+                           "exit_code": 1}},
+        _said("The graphkit dependency could not be installed: the registry has no such package."),
+        {"hook_event_name": "PostToolUse", "tool_name": "Edit",
+         "tool_input": {"file_path": "package.json", "old_string": '"graphkit": "^0.24.0"',
+                        "new_string": '"@graph/kit": "^1.0.2"'},
+         "tool_response": {"filePath": "package.json"}},
+        _bash("pnpm install", "Done in 2.1s", "Install the corrected package"),
+    ])
+    await _first_by_its_ranking(client, project, "The graphkit dependency could not be installed. What was the fix?",
+                                "fix", '"@graph/kit": "^1.0.2"')
+
+
+async def _first_by_its_ranking(client: AsyncClient, project: str, query: str, ranking: str, answer: str) -> None:
+    """The hit showing `answer` is first, and by its words alone (the question form's `ranking` off) it is not."""
+    results = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
+    assert answer in results[0]["text"], [r["text"][:80] for r in results]
+    off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
+                             tuning={ranking: 0}))["results"]
+    assert answer not in off[0]["text"], [r["text"][:80] for r in off]
+
+
+async def test_the_edit_that_fixed_it_stays_above_the_floor(client: AsyncClient) -> None:
+    """The change made right after a failure need not hold a word of the question: for a question about what fixed
+    the failure it is about the query all the same (search/floor.py)."""
+    project = await _session(client, "fix-2", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "install the graph dependency and wire the agent"},
+        {**_bash("pnpm add graphkit", ""),
+         "tool_response": {"stdout": "", "stderr": "ERR_PNPM_FETCH_404 graphkit: the dependency could not be installed",
+                           "exit_code": 1}},
+        {"hook_event_name": "PostToolUse", "tool_name": "Edit",
+         "tool_input": {"file_path": "package.json", "old_string": '"gk": "^0"', "new_string": '"@graph/kit": "^1"'},
+         "tool_response": {"filePath": "package.json"}},
+    ])
+    query = "The graphkit dependency could not be installed. What was the fix?"
+    floored = await client.call("search", query=query, mode="keyword", project=project, limit=3, floor=True)
+    assert any("@graph/kit" in r["text"] for r in floored["results"]), floored

@@ -70,6 +70,18 @@ async def test_an_identifier_in_the_question_finds_its_words_said_in_prose(clien
     assert await search(client, "What was done about components/button_test.go?", mode="keyword") == []
 
 
+async def test_a_lone_letter_of_the_question_is_no_term(client: AsyncClient) -> None:
+    """"D-Bus" in a question is "d" and "bus" to the index; "d" alone matches every `-d` flag of a shell log."""
+    ids = await store_all(client, [
+        "The bridge is on port 9123.",
+        "docker network create -d bridge net1 -d overlay -d macvlan; docker compose up -d; rm -d tmp",
+        "The battery monitor polls every 5 seconds.", "Charge limits are set in the inverter settings.",
+        "The README lists the read tools.",
+    ])
+    keyword = await search(client, "Which port is the D-Bus bridge on?", mode="keyword")
+    assert ids_of(keyword)[0] == ids[0], keyword
+
+
 async def test_neighbour_column_finds_the_answer_to_a_question(client: AsyncClient) -> None:
     """'Yes, last week!' is found through the question before it (the FTS context column), not without it."""
     texts = ["Melanie: Did you finally go to the pottery class?", "Caroline: Yes, last week! I loved it.",

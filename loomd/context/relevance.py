@@ -66,12 +66,15 @@ def echoes(prompt: str, text: str) -> bool:
 
 
 def relevant(hit: Hit, min_score: float, prompt: str) -> bool:
-    """Inject a hit only when the meaning matches: a close vector, or a keyword hit that is not far off.
+    """Inject a hit only when the meaning matches: a close vector, or a keyword hit that is not far off, or, for a
+    prompt asking what the user wanted, the user's own words the search found around the work it is about (`voice`).
 
     Without a cosine (the keyword recall, or no embedder) a hit must be a top keyword hit that names one of the
     prompt's entities or holds most of the prompt's words.
     """
     vec, fts = hit.signals.get("vec"), hit.signals.get("fts")
+    if "voice" in hit.signals:
+        return True
     if vec is not None:
         return vec.score >= min_score or (fts is not None and vec.score >= min_score - 0.15)
     if fts is None or fts.rank > KEYWORD_TOP:

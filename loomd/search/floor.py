@@ -5,7 +5,9 @@ one, so the floor reads the raw signals instead. A hit is above it when the mean
 `min_cosine`), when it mentions an entity the query names (the graph signal), or when its text holds enough of the
 query's words (the share `min_terms` of them, at least one, and two always suffice: the answer to a long question
 rarely repeats more of it), or when the question asked where work stopped and the hit is from where it did (the
-`ending` ranking). Recency and recurrence only reorder what the others found: alone they never lift a hit
+`ending` ranking), or when it asked what the user wanted and the hit is what the user said around the work it is
+about (the `voice` ranking), or what fixed something and the hit is the change made right after it (the `fix`
+ranking). Recency and recurrence only reorder what the others found: alone they never lift a hit
 over the floor.
 
 Measured on the coding-session QA set (bench/codingqa.py, 100 questions, top 10, and 9 nonsense queries against
@@ -47,7 +49,9 @@ def above(hit: Hit, query: str, floor: Floor) -> bool:
     vec = hit.signals.get("vec")
     if vec is not None and vec.score >= floor.min_cosine:
         return True
-    if "graph" in hit.signals or "ending" in hit.signals:  # ending: asked where work stopped, this is where
+    # ending: asked where work stopped, this is where; voice: asked what the user wanted, this is what they said;
+    # fix: asked what fixed something, this is the change that followed
+    if {"graph", "ending", "voice", "fix"} & set(hit.signals):
         return True
     if "fts" not in hit.signals:
         return False

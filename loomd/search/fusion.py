@@ -48,13 +48,16 @@ Explain = dict[str, tuple[int, float]]
 
 
 def query_terms(text: str, stopwords: frozenset[str] = STOPWORDS, limit: int | None = MAX_QUERY_TERMS) -> list[str]:
-    """Lower-cased non-stopword terms of `text`, first occurrence order, possessive 's dropped, at most `limit`."""
+    """Lower-cased non-stopword terms of `text`, first occurrence order, possessive 's dropped, at most `limit`.
+
+    A lone letter is no term: it is a piece of a word ("e.g.", "D-Bus", "x.com"), and code is full of them (`e`, `x`,
+    `-d`), so it matches noise (coding QA dev set: venus-06 7 -> 5; a digit stays, "port 8 of 10")."""
     terms: dict[str, None] = {}
     for raw in _TERM_RE.findall(text.lower()):
         term = raw.strip("'")
         if term.endswith("'s"):
             term = term[:-2]
-        if term and term not in stopwords and term not in terms:
+        if term and term not in stopwords and term not in terms and not (len(term) == 1 and term.isalpha()):
             terms[term] = None
             if len(terms) == limit:
                 break

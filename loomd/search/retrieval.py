@@ -8,11 +8,15 @@ Signals, each usable alone (`weights`), fused by weighted reciprocal rank fusion
 - recency: newest first, and recurrence: what keeps coming back across sessions first. Both only reorder what
   fts and vec found (alone they would push the same memories into every answer); used without those, they rank
   every memory that passes the filters.
+
+A question of a form whose answer shares few of its words adds a ranking of its own: where work stopped (`ending`),
+what the user wanted (`voice`), how to run something (`worked`), what fixed something (`fix`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import re
 import time
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from loomd.errors import BadRequest, EmbedderError
+from loomd.ingest.reading import EDIT_TOOLS
+from loomd.ingest.sentences import clean_user_text
 from loomd.search.fusion import (
     CANDIDATES,
     CONTEXT_WEIGHT,
@@ -63,6 +69,22 @@ DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passag
 # (coding QA dev set: all@5 .72 -> .74, all@10 .80 -> .82; weight 1.0 .73, 2.5 .74).
 ENDING_WEIGHT = 1.5
 ENDING_STEPS = 5  # memories (passages, notes) from the session's end
+ENDING_HITS = 10  # the best fused hits whose session is the one asked about
+# Asked what the user wanted (`USER_ASKED`), the user's own words around the work the best hits are about rank as a
+# signal of fts's weight (`_user_words`; coding QA dev set: all@5 .78 -> .79, preferences .83 -> .92, recall .58 -> .59;
+# 1.75 .80, 2.0 .79 with a loss).
+VOICE_WEIGHT = 1.5
+VOICE_HITS = 20  # the best fused hits whose framing words are looked for (10: .78)
+# Asked how to run, build or test something (`RUN_ASKED`), the runs that worked among the best hits rank as a signal:
+# the answer is the command that worked (coding QA dev set: all@5 .79 -> .80, recall .60 -> .61; weight 0.5 and 1.5
+# alike).
+WORKED_WEIGHT = 1.0
+WORKED_HITS = 60
+# Asked what fixed something (`FIX_ASKED`), the edits made first after the best hits rank as a signal (coding QA dev
+# set: all@1 .39 -> .43, all@5 .80 -> .81, recall .61 -> .62; weight 1.5 alike).
+FIX_WEIGHT = 1.0
+FIX_HITS = 20
+ASKED_SIGNALS = ("ending", "voice", "worked", "fix")  # the rankings a question's form adds (`search_hits`)
 OUTCOME_HOPS = 3  # an announcement's outcome: the next message, or the one after it while each announces again
 # BM25 scores every memory a query matches: past this many (summed per term) the commonest terms are dropped.
 FTS_BUDGET = 10_000
@@ -77,6 +99,9 @@ TUNING: dict[str, tuple[type, Any, float, float]] = {
     "aside_prior": (float, ASIDE_PRIOR, 0.0, 1.0),  # share of its fused score an aside's passage keeps
     "repeated": (float, REPEATED, 0.0, 2.0),  # see `_repeats`; over 1 never
     "ending": (float, ENDING_WEIGHT, 0.0, 10.0),  # weight of a session's last steps when asked where it stopped
+    "voice": (float, VOICE_WEIGHT, 0.0, 10.0),  # weight of the user's words around the hits when asked what they wanted
+    "worked": (float, WORKED_WEIGHT, 0.0, 10.0),  # weight of the runs that worked when asked how to run something
+    "fix": (float, FIX_WEIGHT, 0.0, 10.0),  # weight of the edits made after the hits when asked what fixed something
 }
 
 
@@ -261,6 +286,20 @@ async def _verify(store: Store, ranked: Sequence[int], where: str, params: Seque
 ENDING_ASKED = re.compile(
     r"\bwhere\b.*\bstop(?:ped)?\b|\b(?:left off|leave off|ended|end of\b[^.?]{0,30}\bsession|last request|how far"
     r"|(?:still|left) (?:open|left|pending|unfinished))\b|\bwhen\b.*\b(?:saved|ended|declared|finished)\b", re.I)
+# A question about what the user asked for, wanted or ruled: "what did the user insist on while …", "which way of
+# working did the user ask for …", "may the agent patch those files directly?".
+USER_ASKED = re.compile(
+    r"\b(?:user|they|he|she)\b.{0,40}\b(?:ask(?:ed)?|want(?:ed)?|insist(?:ed)?|prefer(?:red)?|request(?:ed)?|told|sa(?:y|id)"
+    r"|demand(?:ed)?|forb[ia]d|require[ds]?)\b|\b(?:may|should|can|must) the (?:agent|assistant)\b", re.I)
+# A question about how to run, build or test something: "how do I run the loopkit test suite?", "how is dmux built?".
+RUN_ASKED = re.compile(
+    r"\bhow (?:do|can|should|did|would) (?:i|we|you|one)\b.*\b(?:run|build|test|start|lint|install|launch|serve|deploy"
+    r"|check|type-?check)\b|\bhow (?:is|are|was|were)\b.*\b(?:built|run|started|tested|linted|installed|launched|served"
+    r"|deployed|checked)\b", re.I)
+# A question about what fixed something: "… What was the fix?", "how was it resolved?", "one of the failures and its
+# fix", "how do you fix `cannot use href …`?".
+FIX_ASKED = re.compile(r"\bwhat was the (?:final )?fix\b|\bits fix\b|\bhow (?:was|were|did|do you)\b.*\b(?:fix|fixed"
+                       r"|resolved|solved)\b|\bwhat (?:fixed|resolved|solved)\b", re.I)
 # A snake_case identifier standing alone, not a piece of a path or a file name ("button_test.go" is found whole).
 _IDENTIFIER_RE = re.compile(r"(?<![\w./\\-])[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+(?![\w/\\-]|\.\w)")
 
@@ -465,11 +504,18 @@ async def search_hits(
             recurring = sorted((i for i in pool if facts[i][1] > 0), key=lambda i: (-facts[i][1], i))
             scored["recurrence"] = [(i, float(facts[i][1])) for i in recurring]
     fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, active, knobs["rrf_k"])
-    if knobs["ending"] > 0 and fused and ENDING_ASKED.search(query):
-        # "Where did it stop?": the last steps of the session the best hits come from, as a signal of their own.
-        scored["ending"] = await _session_end(ctx.store, fused[:10], where, params)
-        fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, {**active, "ending": knobs["ending"]},
-                             knobs["rrf_k"])
+    # A question of a form whose answer shares few of its words gets a ranking of its own, each seeing the fusion so
+    # far: "where did it stop?" (the last steps of the session the best hits come from), "what did the user ask
+    # for?" (what the user said around the work the best hits are about), "how do I run the tests?" (the runs that
+    # worked among the hits), "what was the fix?" (the edits made right after them).
+    for name, asked, best, ranking in (("ending", ENDING_ASKED, ENDING_HITS, _session_end),
+                                       ("voice", USER_ASKED, VOICE_HITS, _user_words),
+                                       ("worked", RUN_ASKED, WORKED_HITS, _worked),
+                                       ("fix", FIX_ASKED, FIX_HITS, _edits_after)):
+        if knobs[name] > 0 and fused and asked.search(query):
+            scored[name] = await ranking(ctx.store, fused[:best], where, params)
+            fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored},
+                                 {**active, **{n: knobs[n] for n in ASKED_SIGNALS if n in scored}}, knobs["rrf_k"])
     # Collapse by provenance: a candidate whose source events a better one already cites takes no slot of its own
     # (the passages of one tool result, a memory and the evidence it came from); enough candidates for the slots.
     # A passage of an aside (a step that only showed files: a Read, `cat`, `rg`; a message that only announces the
@@ -499,6 +545,14 @@ async def search_hits(
     cited: dict[int, Hit] = {}  # source event -> the hit that holds it
     terms = query_terms(query)
     kept_words: list[tuple[Hit, frozenset[str]]] = []
+
+    def take_slot(old: Hit, new: Hit, words: frozenset[str], mine: Sequence[int]) -> None:
+        """`new` takes `old`'s slot; `old` (and what it held) is collapsed into it."""
+        results[results.index(old)] = new
+        kept_words[:] = [(new, words) if h is old else (h, w) for h, w in kept_words]
+        new.memory["collapsed"] = [old.memory["id"], *old.memory.get("collapsed", [])]
+        cited.update((e, new) for e in (*mine, *(e for e, h in cited.items() if h is old)))
+
     for memory_id, score, parts in candidates:
         if memory_id not in by_id:
             continue
@@ -508,10 +562,15 @@ async def search_hits(
         evidence = item["kind"] == "evidence"
         words = text_terms(item["text"]) if evidence else frozenset()
         twin = next((h for h, w in kept_words if _near(words, w)), None) if evidence else None
-        if twin is not None:  # the same passage again (a todo list rewritten, a file read twice): one slot
-            twin.memory.setdefault("collapsed", []).append(memory_id)
-            continue
         mine = sources.get(memory_id, ())
+        if twin is not None:  # the same passage again (a todo list rewritten, a file read twice): one slot
+            if max(mine, default=0) > max(sources.get(twin.memory["id"], ()), default=0):
+                # ... and the later one is what the session went on with (a file's second version: the one whose
+                # comment says the write is "not yet implemented"), so it takes the slot (coding QA: venus-09).
+                take_slot(twin, hit, words, mine)
+            else:
+                twin.memory.setdefault("collapsed", []).append(memory_id)
+            continue
         # Passages of one step collapse into the best of them (it shows the step's windows that match); passages of
         # different steps that share an event (a call and its result) stay apart.
         holder = next((cited[e] for e in mine if e in cited
@@ -525,11 +584,7 @@ async def search_hits(
                 cited.update((e, hit) for e in mine if e not in cited or cited[e].memory["kind"] == "evidence")
             continue
         if holder.memory["kind"] == "evidence" and not evidence and dense_wins(terms, hit.memory, holder.memory):
-            # The dense memory takes the slot, the passage it came from is collapsed into it.
-            results[results.index(holder)] = hit
-            kept_words[:] = [(hit, words) if h is holder else (h, w) for h, w in kept_words]
-            item["collapsed"] = [holder.memory["id"], *holder.memory.get("collapsed", [])]
-            cited.update((e, hit) for e in (*mine, *(e for e, h in cited.items() if h is holder)))
+            take_slot(holder, hit, words, mine)  # the dense memory: the passage it came from is collapsed into it
         else:
             holder.memory.setdefault("collapsed", []).append(memory_id)
     results = await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query,
@@ -787,6 +842,113 @@ async def _session_end(store: Store, best: Sequence[tuple[int, float, Any]], whe
         f" WHERE m.session_id = ? AND m.kind IN ('evidence', 'observation') AND {where} GROUP BY m.id"
         f" ORDER BY last DESC, m.id DESC LIMIT ?", [session, *params, ENDING_STEPS])
     return [(r[0], float(place)) for place, r in enumerate(rows, 1)]  # its raw score: its place from the end
+
+
+async def _user_words(store: Store, best: Sequence[tuple[int, float, Any]], where: str,
+                      params: Sequence[Any]) -> list[tuple[int, float]]:
+    """The user's own words (`_in_user_voice`) said last before and first after each of the `best` hits, by the summed
+    fused score of the hits they frame, best first (of one event's, the prompt's own passage first). Asked what the
+    user wanted, the answer is what the user said around the work the question is about, in words the question
+    rarely shares ("also use tdd and serena and the mcp tools", said as the SDK work started; "why tf are you editing
+    generated code!")."""
+    found = await _around(store, best, where, params, "(m.kind IN ('constraint', 'preference') OR (m.kind = 'evidence'"
+                          " AND m.text LIKE 'User:%') OR (m.kind = 'observation' AND m.meta LIKE '%\"by\"%'))",
+                          _in_user_voice, before=True)
+    return [(i, w) for i, (w, kind) in sorted(found.items(), key=lambda f: (-f[1][0], f[1][1] != "evidence", f[0]))]
+
+
+async def _edits_after(store: Store, best: Sequence[tuple[int, float, Any]], where: str,
+                       params: Sequence[Any]) -> list[tuple[int, float]]:
+    """The edits (`_an_edit`) made first after each of the `best` hits, by the summed fused score of the hits they
+    follow, best first. Asked what fixed something, the answer is the change made after the failure, the report or
+    the finding the question's words find ("A subagent reported that the langgraph dependency could not be installed.
+    What was the fix?": the edit of package.json that followed)."""
+    found = await _around(store, best, where, params, _EDITS_SQL, _an_edit, before=False)
+    return [(i, w) for i, (w, _) in sorted(found.items(), key=lambda f: (-f[1][0], f[0]))]
+
+
+async def _around(store: Store, best: Sequence[tuple[int, float, Any]], where: str, params: Sequence[Any], which: str,
+                  pick: Callable[[str, str | None, str], bool], before: bool) -> dict[int, tuple[float, str]]:
+    """For each of the `best` hits: in its session, the memories (`which`, an SQL condition over alias m, and
+    `pick(kind, meta, text)`) of the first event after the hit and (`before`) of the last one at or before it. Each
+    such memory: the summed fused score of the hits it frames, and its kind."""
+    ids = [i for i, _, _ in best]
+    sources = await _sources(store, ids)
+    sessions = {r[0]: r[1] for r in await store.fetchall(
+        "SELECT id, session_id FROM memories WHERE id IN (SELECT value FROM json_each(?)) AND session_id IS NOT NULL",
+        [json.dumps(ids)])}
+    picked: dict[str, list[tuple[int, int, str]]] = {}  # session -> (the memory's latest event, memory, kind)
+    for session_id in set(sessions.values()):
+        rows = await store.fetchall(
+            f"SELECT m.id, max(s.event_id), m.kind, m.meta, m.text FROM memories m JOIN memory_sources s"
+            f" ON s.memory_id = m.id WHERE m.session_id = ? AND {where} AND {which} GROUP BY m.id",
+            [session_id, *params])
+        picked[session_id] = sorted((int(r[1]), int(r[0]), r[2]) for r in rows if pick(r[2], r[3], r[4]))
+    weight: dict[tuple[str, int], float] = {}
+    for memory_id, score, _ in best:
+        session_id = sessions.get(memory_id)
+        events = sources.get(memory_id)
+        if session_id is None or not events or not picked.get(session_id):
+            continue
+        when = [event for event, _, _ in picked[session_id]]
+        framing = [bisect.bisect_right(when, max(events))]
+        if before:
+            framing.append(bisect.bisect_right(when, min(events)) - 1)
+        for at in framing:
+            if 0 <= at < len(when):
+                weight[(session_id, when[at])] = weight.get((session_id, when[at]), 0.0) + score
+    return {memory_id: (weight[(session_id, event)], kind) for session_id, found in picked.items()
+            for event, memory_id, kind in found if (session_id, event) in weight}
+
+
+async def _worked(store: Store, best: Sequence[tuple[int, float, Any]], where: str,
+                  params: Sequence[Any]) -> list[tuple[int, float]]:
+    """Of the `best` hits, in their order, the runs that worked: a procedure, the observer's note of a command that
+    passed ("Tests pass: `PYTHONPATH=src python3 -m pytest tests/ -v`", "Works: `pnpm build`"). Asked how to run
+    something, the answer is the command that worked, which a passage that only names the project and its tests
+    ("mkdir -p /tmp/loopkit/tests") outranks by its words."""
+    rows = await _rows(store, [i for i, _, _ in best])
+    return [(i, score) for i, score, _ in best if i in rows and _a_run_that_worked(rows[i]["kind"], rows[i]["meta"])]
+
+
+def _a_run_that_worked(kind: str, meta: str | None) -> bool:
+    if kind == "procedure":
+        return True
+    try:
+        return kind == "observation" and json.loads(meta or "{}").get("type") == "procedure"
+    except ValueError:
+        return False
+
+
+# What `_an_edit` reads, in SQL: an evidence passage opens with its step's header, the tool's name first.
+_EDITS_SQL = ("((m.kind = 'evidence' AND (substr(m.text, 1, instr(m.text, ' ') - 1) IN ("
+              + ", ".join(f"'{tool}'" for tool in sorted(EDIT_TOOLS)) + ") OR instr(m.text, '*** Begin Patch') > 0))"
+              " OR (m.kind = 'observation' AND m.meta LIKE '%\"files\"%'))")
+
+
+def _an_edit(kind: str, meta: str | None, text: str) -> bool:
+    """Is this memory a change to files: a passage of an edit tool's step (a Codex patch too), the observer's note of
+    the files a turn edited or created?"""
+    if kind == "evidence":
+        return (passage_head(meta) or "").split(" ", 1)[0] in EDIT_TOOLS or "*** Begin Patch" in text
+    try:
+        return kind == "observation" and bool(json.loads(meta or "{}").get("files"))
+    except ValueError:
+        return False
+
+
+def _in_user_voice(kind: str, meta: str | None, text: str) -> bool:
+    """Is this memory the human user's own words: a prompt's passage (not only a slash command's echo), a note the
+    observer took of what the user said, chose or rejected (`by: user`), a constraint or preference (captured from the
+    user's prompts only)?"""
+    if kind in ("constraint", "preference"):
+        return True
+    if kind == "evidence":
+        return passage_head(meta) == "User:" and bool(clean_user_text(text.removeprefix("User:")))
+    try:
+        return kind == "observation" and json.loads(meta or "{}").get("by") == "user"
+    except ValueError:
+        return False
 
 
 async def _facts(store: Store, ids: set[int]) -> dict[int, tuple[float, int]]:
