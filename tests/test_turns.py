@@ -10,6 +10,7 @@ from conftest import caught_up
 
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
+from loomd.store.turns import WriteTurns
 
 
 async def until(cond: object, what: str, within: float = 30.0) -> None:
@@ -51,3 +52,21 @@ async def test_a_hooks_commit_goes_before_waiting_worker_transactions(daemon: Da
     assert (await hook)["stored"] == 1
     await asyncio.gather(held, *workers)
     assert seen == [("first", 1), ("second", 1)]
+
+
+async def test_a_waiter_cancelled_as_the_turn_passes_over_it_leaves_the_writer_free() -> None:
+    """A waiter's task cancelled (its client gave up) while the holder releases, before the waiter's own handler runs:
+    the release passed over its cancelled turn already. The waiter ends cancelled, nothing else, and the next comer
+    takes the writer at once."""
+    turns = WriteTurns()
+    async with turns.hold():
+        waiter = asyncio.create_task(turns.hold().__aenter__())
+        await asyncio.sleep(0)  # it waits for its turn
+        waiter.cancel()  # cancels its turn now; its handler runs on the next pass of the loop
+    # released here, in the same pass: the cancelled turn is skipped and taken off its queue
+    done, _ = await asyncio.wait([waiter], timeout=5)
+    assert done and waiter.cancelled(), waiter
+    assert not turns.locked() and turns.waiting == 0
+    async with asyncio.timeout(5):
+        async with turns.hold(urgent=True):
+            assert turns.locked()
