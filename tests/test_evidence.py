@@ -538,7 +538,7 @@ async def test_of_two_near_copies_the_later_one_takes_the_slot(client: AsyncClie
     project = await _session(client, "copies-1", [
         {"hook_event_name": "UserPromptSubmit", "prompt": "write the order export"},
         _write("src/export.py", "\n".join(body)),
-        _write("src/export.py", "\n".join([*body[:5], "    # TODO: stubbed, nothing is sent yet",
+        _write("src/export.py", "\n".join([*body[:5], "    # the upload is not wired up: nothing is sent yet",
                                             *body[5:]])),
     ])
     query = "does export_orders upload the batch of orders to the warehouse"
