@@ -82,6 +82,10 @@ ENDING_HITS = 10  # the best fused hits whose session is the one asked about
 # 1.75 .80, 2.0 .79 with a loss).
 VOICE_WEIGHT = 1.5
 VOICE_HITS = 20  # the best fused hits whose framing words are looked for (10: .78)
+# ... and a hit that is not the user's own words loses this share of its fused score: what the agent did about the work
+# holds the question's words, what the user said about it is the answer (all@5 .84 -> .85, preferences .92 -> 1.0,
+# templar-02 8 -> 3, big3-01 5 -> 2; 0.2 to 0.7 alike).
+UNVOICED = 0.4
 # Asked how to run, build or test something (`RUN_ASKED`), the runs that worked among the best hits rank as a signal:
 # the answer is the command that worked (coding QA dev set: all@5 .79 -> .80, recall .60 -> .61; weight 0.5 and 1.5
 # alike).
@@ -109,6 +113,7 @@ TUNING: dict[str, tuple[type, Any, float, float]] = {
     "repeated": (float, REPEATED, 0.0, 2.0),  # see `_repeats`; over 1 never
     "ending": (float, ENDING_WEIGHT, 0.0, 10.0),  # weight of a session's last steps when asked where it stopped
     "voice": (float, VOICE_WEIGHT, 0.0, 10.0),  # weight of the user's words around the hits when asked what they wanted
+    "unvoiced": (float, UNVOICED, 0.0, 1.0),  # ... and the share of its score a hit not in those words loses then
     "worked": (float, WORKED_WEIGHT, 0.0, 10.0),  # weight of the runs that worked when asked how to run something
     "fix": (float, FIX_WEIGHT, 0.0, 10.0),  # weight of the edits made after the hits when asked what fixed something
 }
@@ -535,6 +540,11 @@ async def search_hits(
             scored[name] = await ranking(ctx.store, fused[:best], where, params)
             fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored},
                                  {**active, **{n: knobs[n] for n in ASKED_SIGNALS if n in scored}}, knobs["rrf_k"])
+    if knobs["unvoiced"] > 0 and scored.get("voice"):
+        # Asked what the user wanted, what the user said outranks what was done: the rest keeps a share of its score.
+        said, keep = {i for i, _ in scored["voice"]}, 1 - knobs["unvoiced"]
+        fused = sorted(((i, score if i in said else score * keep, parts) for i, score, parts in fused),
+                       key=lambda f: (-f[1], f[0]))
     # Collapse by provenance: a candidate whose source events a better one already cites takes no slot of its own
     # (the passages of one tool result, a memory and the evidence it came from); enough candidates for the slots.
     # A passage of an aside (a step that only showed files: a Read, `cat`, `rg`; a message that only announces the
