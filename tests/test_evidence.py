@@ -294,6 +294,49 @@ async def test_a_view_of_a_file_ranks_below_what_the_session_said_about_it(clien
     assert plain[0]["text"].startswith("Read docs/uploader.md:"), plain  # without the prior the view wins
 
 
+def _grep(pattern: str, output: str) -> dict[str, Any]:
+    return {"hook_event_name": "PostToolUse", "tool_name": "Grep", "tool_input": {"pattern": pattern, "path": "src"},
+            "tool_response": {"mode": "content", "content": output, "numFiles": 2}}
+
+
+async def test_asked_where_the_code_does_something_a_view_of_it_answers(client: AsyncClient) -> None:
+    """"Where is …?", "how are … wired?": the question asks what the code says, so a view of it (a Read, a Grep) is
+    the answer and keeps its whole score (`code_views`); asked anything else it stays an aside."""
+    project = await _session(client, "views-code", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "give the dashboard a warmer palette"},
+        _grep("theme", "src/app/layout.tsx: <body className={theme}> dashboard palette theme colors wired here\n"
+                       "src/app/globals.css: .theme-warm { --color-primary: #f97316 } dashboard palette colors"),
+        _said("The dashboard palette is done: the warm colors are in, the dashboard looks warmer now."),
+    ])
+    for query in ("How are the dashboard palette colors wired?", "Where are the dashboard palette colors set?"):
+        ranked = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
+        assert "<body className={theme}>" in ranked[0]["text"], (query, ranked)
+        off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
+                                 tuning={"code_views": 0}))["results"]
+        assert "<body className={theme}>" not in off[0]["text"], (query, off)  # an aside, as before
+    other = "Did the dashboard palette colors get warmer?"
+    ranked = (await client.call("search", query=other, mode="keyword", project=project, limit=3))["results"]
+    assert "<body className={theme}>" not in ranked[0]["text"], ranked
+
+
+async def test_asked_how_to_start_it_a_view_of_the_manifest_answers(client: AsyncClient) -> None:
+    """"How is the web app started in development?": the project's manifest (`package.json`'s scripts) holds the
+    commands; a view of it keeps its whole score (`manifests`), a view of another file stays an aside."""
+    scripts = ('{\n"name": "arcade-web",\n"scripts": {\n"dev": "next dev --turbopack",\n'
+               '"redis:start": "docker-compose up -d",\n"build": "next build"\n}\n}')
+    project = await _session(client, "views-manifest", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "collect the facts for the grant form"},
+        _read("web/package.json", scripts + "\nweb app development redis started"),
+        _said("The web app is a Next.js app; in development it is started with the dev server, and redis is used."),
+    ])
+    query = "How is the web app started in development, and how is its redis brought up?"
+    ranked = (await client.call("search", query=query, mode="keyword", project=project, limit=3))["results"]
+    assert "next dev --turbopack" in ranked[0]["text"], ranked
+    off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
+                             tuning={"manifests": 0}))["results"]
+    assert "next dev --turbopack" not in off[0]["text"], off
+
+
 async def test_two_steps_that_show_the_same_window_take_one_slot(client: AsyncClient) -> None:
     """Two steps repeating one block (a commit message drafted, then reported): their passages differ, the windows
     shown are the same; one slot, the other collapsed into it, and the next hit moves up."""
@@ -582,6 +625,35 @@ async def test_asked_what_the_user_wanted_their_words_around_the_work_answer(cli
     off = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
                              tuning={"voice": 0}))["results"]
     assert not any("use tdd" in r["text"] for r in off), [(r["kind"], r["text"]) for r in off]
+
+
+async def test_asked_what_the_user_wanted_their_words_outrank_what_was_done(client: AsyncClient) -> None:
+    """"May the agent patch the generated files?": the agent's work on those files holds the question's words; the
+    user's rule about it holds none. What was not said by the user loses a share of its score (`unvoiced`), so the
+    rule ranks above the work."""
+    project = await _session(client, "voice-rule", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "fix the lint errors"},
+        _said("The lint errors show up in the generated templ files; I will patch those generated files directly."),
+        _said("Patched the generated templ files directly: the lint errors in form_templ.go are gone."),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "keep going"},
+        _said("Patched two more generated templ files directly; reran lint, no errors left."),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "why tf are you editing generated code!"},
+        _said("Reverted; regenerating with templ generate instead."),
+        {"hook_event_name": "UserPromptSubmit", "prompt": "thanks, commit that"},
+        _said("Committed."),
+    ])
+    query = "When lint errors show up in the templ output files, may the agent patch those files directly?"
+
+    async def above(tuning: dict[str, float]) -> list[str]:
+        """The hits ranked above the user's rule (the neighbours' column left out: in a session this short every
+        step is the rule's neighbour)."""
+        texts = [r["text"] for r in (await client.call("search", query=query, mode="hybrid", project=project,
+                                                       limit=10, tuning={"ctx_weight": 0, **tuning}))["results"]]
+        return texts[:texts.index("why tf are you editing generated code!")]
+
+    assert all(text.startswith("User:") for text in await above({}))  # only what the user said
+    # By the words and the framing alone, what the agent did and reported ranks above the rule.
+    assert any(not text.startswith("User:") for text in await above({"unvoiced": 0}))
 
 
 async def test_a_prompt_asking_what_the_user_wanted_recalls_their_words(client: AsyncClient) -> None:

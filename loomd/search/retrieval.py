@@ -63,6 +63,13 @@ SPARE_HITS = 10  # hits kept past the limit, to move up when a hit shown collaps
 REPEATED = 0.8  # a hit whose terms are this share of a shown one's shows nothing new ...
 REPEAT_MIN_TERMS = 8  # ... when it has this many (a few words are held by many texts)
 ASIDE_PRIOR = 0.5  # see `workers/evidence.is_aside`: 0.4–0.8 all lift coding QA (all@5 .57 → .60–.62)
+# A view of files (an aside) is the answer when the question asks what the files say: where something is or how the
+# code is wired (`CODE_ASKED`: "how are colors wired in the app?", "where does the script keep the transcripts?";
+# coding QA dev set: all@5 .82 -> .84, tenbox-06 7 -> 3, eob-03 not in 10 -> 1, chess-04 5 -> 2), or, asked how to run
+# something (`RUN_ASKED`), a view of a project manifest, whose scripts are the commands (`MANIFEST`: `package.json`'s
+# "dev": "next dev --turbopack"; all@5 .81 -> .82, eob-05 not in 10 -> 5). Of the aside's penalty, this share is lifted.
+CODE_VIEWS = 1.0
+MANIFEST_VIEWS = 1.0
 DENSE_WINS = 0.9  # a distilled memory scoring this share of its evidence passage's score takes the passage's slot
 # Asked where work stopped (`ENDING_ASKED`), the last steps of the session the best hits come from rank as a signal
 # of this weight (fts's is 1.5): the answer is how the session ended, which shares few words with the question
@@ -75,6 +82,10 @@ ENDING_HITS = 10  # the best fused hits whose session is the one asked about
 # 1.75 .80, 2.0 .79 with a loss).
 VOICE_WEIGHT = 1.5
 VOICE_HITS = 20  # the best fused hits whose framing words are looked for (10: .78)
+# ... and a hit that is not the user's own words loses this share of its fused score: what the agent did about the work
+# holds the question's words, what the user said about it is the answer (all@5 .84 -> .85, preferences .92 -> 1.0,
+# templar-02 8 -> 3, big3-01 5 -> 2; 0.2 to 0.7 alike).
+UNVOICED = 0.4
 # Asked how to run, build or test something (`RUN_ASKED`), the runs that worked among the best hits rank as a signal:
 # the answer is the command that worked (coding QA dev set: all@5 .79 -> .80, recall .60 -> .61; weight 0.5 and 1.5
 # alike).
@@ -97,9 +108,12 @@ TUNING: dict[str, tuple[type, Any, float, float]] = {
     "prefilter": (int, PREFILTER, 1, 100_000),  # 1-bit candidates re-ranked with float vectors
     "fts_budget": (int, FTS_BUDGET, 1, 10_000_000),  # see prune_terms
     "aside_prior": (float, ASIDE_PRIOR, 0.0, 1.0),  # share of its fused score an aside's passage keeps
+    "code_views": (float, CODE_VIEWS, 0.0, 1.0),  # share of that penalty lifted from a view when asked about the code
+    "manifests": (float, MANIFEST_VIEWS, 0.0, 1.0),  # ... from a view of a manifest when asked how to run something
     "repeated": (float, REPEATED, 0.0, 2.0),  # see `_repeats`; over 1 never
     "ending": (float, ENDING_WEIGHT, 0.0, 10.0),  # weight of a session's last steps when asked where it stopped
     "voice": (float, VOICE_WEIGHT, 0.0, 10.0),  # weight of the user's words around the hits when asked what they wanted
+    "unvoiced": (float, UNVOICED, 0.0, 1.0),  # ... and the share of its score a hit not in those words loses then
     "worked": (float, WORKED_WEIGHT, 0.0, 10.0),  # weight of the runs that worked when asked how to run something
     "fix": (float, FIX_WEIGHT, 0.0, 10.0),  # weight of the edits made after the hits when asked what fixed something
 }
@@ -300,6 +314,16 @@ RUN_ASKED = re.compile(
 # fix", "how do you fix `cannot use href …`?".
 FIX_ASKED = re.compile(r"\bwhat was the (?:final )?fix\b|\bits fix\b|\bhow (?:was|were|did|do you)\b.*\b(?:fix|fixed"
                        r"|resolved|solved)\b|\bwhat (?:fixed|resolved|solved)\b", re.I)
+# A question about what the code or the files say: where something is ("where is the vision call implemented?",
+# "where does the script keep the transcripts?"), how it is wired ("how are colors wired in the app?").
+CODE_ASKED = re.compile(
+    r"\bwhere (?:is|are|does|do)\b|\bhow (?:is|are|was|were)\b.*\b(?:wired|implemented|structured|organi[sz]ed"
+    r"|configured|set up|defined|laid out|hooked up|connected|named|stored)\b"
+    r"|\bhow (?:does|do)\b.*\b(?:work|store|name|wire|implement|configure|define)\b", re.I)
+# A project's manifest, named in a view's header: the file whose scripts or targets are how the project is run.
+MANIFEST = re.compile(
+    r"(?<![\w.-])(?:package\.json|deno\.jsonc?|composer\.json|[Mm]akefile|GNUmakefile|[Jj]ustfile|Taskfile\.ya?ml"
+    r"|pyproject\.toml|setup\.cfg|tox\.ini|noxfile\.py|Cargo\.toml|(?:docker-)?compose\.ya?ml|Procfile|flake\.nix)(?![\w.-])")
 # A snake_case identifier standing alone, not a piece of a path or a file name ("button_test.go" is found whole).
 _IDENTIFIER_RE = re.compile(r"(?<![\w./\\-])[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+(?![\w/\\-]|\.\w)")
 
@@ -516,6 +540,11 @@ async def search_hits(
             scored[name] = await ranking(ctx.store, fused[:best], where, params)
             fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored},
                                  {**active, **{n: knobs[n] for n in ASKED_SIGNALS if n in scored}}, knobs["rrf_k"])
+    if knobs["unvoiced"] > 0 and scored.get("voice"):
+        # Asked what the user wanted, what the user said outranks what was done: the rest keeps a share of its score.
+        said, keep = {i for i, _ in scored["voice"]}, 1 - knobs["unvoiced"]
+        fused = sorted(((i, score if i in said else score * keep, parts) for i, score, parts in fused),
+                       key=lambda f: (-f[1], f[0]))
     # Collapse by provenance: a candidate whose source events a better one already cites takes no slot of its own
     # (the passages of one tool result, a memory and the evidence it came from); enough candidates for the slots.
     # A passage of an aside (a step that only showed files: a Read, `cat`, `rg`; a message that only announces the
@@ -533,8 +562,10 @@ async def search_hits(
             by_id.update(more)
             asides.update(i for i, row in more.items() if marked_aside(row["kind"], row["meta"]))
         if asides:
-            share = knobs["aside_prior"]
-            looked = sorted(((i, score * share if i in asides else score, parts) for i, score, parts in looked),
+            prior = knobs["aside_prior"]
+            lifted = {i: views_lifted(query, by_id[i]["meta"], knobs) for i in asides}
+            share = {i: prior + (1 - prior) * lift for i, lift in lifted.items()}
+            looked = sorted(((i, score * share[i] if i in asides else score, parts) for i, score, parts in looked),
                             key=lambda f: (-f[1], f[0]))
     candidates = looked[:slots]
     sources = await _sources(ctx.store, [f[0] for f in candidates])
@@ -607,6 +638,19 @@ def dense_wins(terms: Sequence[str], dense: Mapping[str, Any], passage: Mapping[
     the command that later passed, and wins."""
     mine, theirs = len(held_terms(terms, dense["text"])), len(held_terms(terms, passage["text"]))
     return mine > theirs or (mine >= theirs - 1 and dense["score"] >= DENSE_WINS * passage["score"])
+
+
+def views_lifted(query: str, meta: str | None, knobs: Mapping[str, Any]) -> float:
+    """How much of an aside's penalty a query lifts from it (0 to 1): a view of files (not an announcement) when the
+    question asks what the code says (`CODE_ASKED`), a view of a project manifest when it asks how to run something
+    (`RUN_ASKED`, `MANIFEST`). Elsewhere a view is a copy of the repository, rich in every word of the question."""
+    head = passage_head(meta) or ""
+    if not head or head == "Assistant:":
+        return 0.0
+    lift = knobs["code_views"] if knobs["code_views"] > 0 and CODE_ASKED.search(query) else 0.0
+    if knobs["manifests"] > 0 and RUN_ASKED.search(query) and MANIFEST.search(head):
+        lift = max(lift, knobs["manifests"])
+    return lift
 
 
 def marked_aside(kind: str, meta: str | None) -> bool:
