@@ -11,10 +11,18 @@ default): raw events are purged a minute after the observer passed them (`event_
 passages made from them with them), each project keeps at most 300 live memories (`project_memory_cap`), archived
 memories are deleted a minute after (`archived_ttl_days`), the working set (what GC never touches: memories injected
 or hit recently) spans the last minute, not a week (`working_set_days`: at the soak's pace a week is its whole life,
-and everything ever injected would be kept), the workers run every 10 s. The samples then add the database's bytes
+and everything ever injected would be kept), the workers' runs are kept a minute (`job_history_days`), the workers
+run every 10 s. The samples then add the database's bytes
 (file and WAL: `db_mb`; the pages holding data, without the free list: `live_mb`) and the offload process's RSS
 (the embedding model lives there); the slopes are taken over each and over the sum of the RSSs, and the JSON ends
 with the database's largest tables and indexes (`db_tables`, MB and rows, read after the daemon stopped).
+
+Slopes: `..._after_warmup` skips the first 10% of the run (at least 3 s). Under `--fixed-size` the store only reaches
+its constant size once the retention chain has run through once (events live `event_ttl_days`, are observed after
+`observe_idle_s`, their memories archived and then deleted `archived_ttl_days` later, each step on a worker
+interval): `..._settled` skips that long too (`settle_s`, 160 s with the settings above) and is the number to judge
+a fixed size by. `anon_mb` is the daemon's anonymous RSS (heaps: Python's, SQLite's, malloc's arenas), `file_mb` its
+mapped files.
 
     python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25] [--socket PATH] [--fixed-size]
 """
@@ -83,9 +91,12 @@ def proc_sample(pid: int) -> dict[str, float]:
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "Threads"):
+        if key in ("VmRSS", "RssAnon", "RssFile", "Threads"):
             fields[key] = int(value.split()[0])
-    return {"rss_mb": round(fields["VmRSS"] / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+    # RssAnon is the heap (Python's and SQLite's, malloc's arenas); RssFile is mapped files (code, the model's
+    # tables, the database's shared memory): which of the two grows says where to look.
+    return {"rss_mb": round(fields["VmRSS"] / 1024, 1), "anon_mb": round(fields.get("RssAnon", 0) / 1024, 1),
+            "file_mb": round(fields.get("RssFile", 0) / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
             "threads": fields["Threads"]}
 
 
@@ -272,28 +283,41 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
     if pid is not None and series:
         warm = max(3.0, opts.seconds * 0.1)
         steady = [r for r in series if r["t"] >= warm] or series
+        settle = max(warm, settle_s(FIXED_SIZE)) if opts.fixed_size else warm
+        settled = [r for r in series if r["t"] >= settle] or steady
+        out["settle_s"] = settle
         half = [r for r in steady if r["t"] >= steady[0]["t"] + (steady[-1]["t"] - steady[0]["t"]) / 2] or steady
         first_half = [r for r in series if r["t"] <= series[-1]["t"] / 2] or series
         out["rss_mb"] = {"start": series[0]["rss_mb"], "after_warmup": steady[0]["rss_mb"], "end": series[-1]["rss_mb"],
                          "max": max(r["rss_mb"] for r in series),
                          "first_half_max": max(r["rss_mb"] for r in first_half),
                          "growth_after_warmup": round(series[-1]["rss_mb"] - steady[0]["rss_mb"], 1),
-                         "slope_mb_per_min_second_half": round(slope(half, "rss_mb") * 60, 2)}
+                         "slope_mb_per_min_second_half": round(slope(half, "rss_mb") * 60, 2),
+                         "slope_mb_per_min_after_warmup": round(slope(steady, "rss_mb") * 60, 2),
+                         "slope_mb_per_min_settled": round(slope(settled, "rss_mb") * 60, 2)}
+        for key in ("anon_mb", "file_mb"):
+            out[key] = {"after_warmup": steady[0][key], "end": series[-1][key], "max": max(r[key] for r in series),
+                        "slope_mb_per_min_settled": round(slope(settled, key) * 60, 2)}
         if all("total_rss_mb" in r for r in series):
             out["total_rss_mb"] = {"after_warmup": steady[0]["total_rss_mb"], "end": series[-1]["total_rss_mb"],
                                    "max": max(r["total_rss_mb"] for r in series),
-                                   "slope_mb_per_min_after_warmup": round(slope(steady, "total_rss_mb") * 60, 2)}
+                                   "slope_mb_per_min_after_warmup": round(slope(steady, "total_rss_mb") * 60, 2),
+                                   "slope_mb_per_min_settled": round(slope(settled, "total_rss_mb") * 60, 2)}
         out["db_mb"] = {"after_warmup": steady[0]["db_mb"], "end": series[-1]["db_mb"],
-                        "slope_mb_per_min_after_warmup": round(slope(steady, "db_mb") * 60, 3)}
+                        "slope_mb_per_min_after_warmup": round(slope(steady, "db_mb") * 60, 3),
+                        "slope_mb_per_min_settled": round(slope(settled, "db_mb") * 60, 3)}
         if all("live_mb" in r for r in steady):
             out["live_mb"] = {"after_warmup": steady[0]["live_mb"], "end": series[-1]["live_mb"],
                               "max": max(r["live_mb"] for r in steady),
-                              "slope_mb_per_min_after_warmup": round(slope(steady, "live_mb") * 60, 3)}
+                              "slope_mb_per_min_after_warmup": round(slope(steady, "live_mb") * 60, 3),
+                              "slope_mb_per_min_settled": round(slope(settled, "live_mb") * 60, 3)}
         if all("offload_rss_mb" in r for r in steady):
             out["offload_rss_mb"] = {"after_warmup": steady[0]["offload_rss_mb"], "end": series[-1]["offload_rss_mb"],
                                      "max": max(r["offload_rss_mb"] for r in series),
-                                     "slope_mb_per_min_after_warmup": round(slope(steady, "offload_rss_mb") * 60, 2)}
-        out["events_held"] = {"after_warmup": steady[0]["events"], "end": series[-1]["events"]}
+                                     "slope_mb_per_min_after_warmup": round(slope(steady, "offload_rss_mb") * 60, 2),
+                                     "slope_mb_per_min_settled": round(slope(settled, "offload_rss_mb") * 60, 2)}
+        out["events_held"] = {"after_warmup": steady[0]["events"], "settled": settled[0]["events"],
+                              "end": series[-1]["events"], "max": max(r["events"] for r in settled)}
         out["fds"] = {"start": series[0]["fds"], "after_warmup": steady[0]["fds"], "end": series[-1]["fds"],
                       "max": max(r["fds"] for r in series)}
         out["threads"] = {"start": series[0]["threads"], "end": series[-1]["threads"],
@@ -319,7 +343,14 @@ def slope(rows: list[dict[str, Any]], key: str) -> float:
 # minute).
 FIXED_SIZE = {"LOOMD_EVENT_TTL_DAYS": str(60 / 86400), "LOOMD_PROJECT_MEMORY_CAP": "300",
               "LOOMD_ARCHIVED_TTL_DAYS": str(60 / 86400), "LOOMD_WORKING_SET_DAYS": str(60 / 86400),
-              "LOOMD_WORKER_INTERVAL_S": "10", "LOOMD_OBSERVE_IDLE_S": "20"}
+              "LOOMD_WORKER_INTERVAL_S": "10", "LOOMD_OBSERVE_IDLE_S": "20", "LOOMD_JOB_HISTORY_DAYS": str(60 / 86400)}
+
+
+def settle_s(env: dict[str, str]) -> float:
+    """How long the fixed-size retention takes to reach a constant size: an event's TTL, the wait until its session
+    is observed, the archived memories' TTL, and a worker interval for each of the two GC steps."""
+    days = float(env["LOOMD_EVENT_TTL_DAYS"]) + float(env["LOOMD_ARCHIVED_TTL_DAYS"])
+    return days * 86400 + float(env["LOOMD_OBSERVE_IDLE_S"]) + 2 * float(env["LOOMD_WORKER_INTERVAL_S"])
 
 
 def db_tables(db: Path, top: int = 12) -> list[dict[str, Any]]:

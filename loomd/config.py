@@ -116,6 +116,7 @@ class Config:
     archived_ttl_days: float = 0.0
     project_memory_cap: int = 5000
     worker_interval_s: float = 60.0
+    job_history_days: float = 7.0  # GC keeps the runs' log this long (each worker's latest run and error always)
     observe_idle_s: float = 600.0  # a session quiet this long is observed (and its open todos noted)
     import_idle_s: float = 30.0  # `loom import`'s parser processes stop when no file came for this long
     working_set_days: float = 7.0  # injected into a session active, or hit, this recently: never archived

@@ -12,7 +12,7 @@ import pytest
 
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
-from loomd.ingest.capture import RULES
+from loomd.ingest.capture import RULES, SESSIONS_KEPT, Capturer
 from loomd.ingest.events import Event
 from loomd.ingest.reading import commit_subject, failed_output, shell_command
 
@@ -102,6 +102,24 @@ async def test_every_rule_fires_on_its_payload(client: AsyncClient) -> None:
     assert {r.name for r in RULES} <= {m["origin"].split(":", 1)[1] for m in memories}
     # Each captured memory links back to the event that produced it.
     assert all(m["sources"] for m in memories)
+
+
+async def test_the_rules_remember_only_the_recently_active_sessions(daemon: Daemon, client: AsyncClient) -> None:
+    """What the rules remember within a session (its failing commands) is kept for the SESSIONS_KEPT most recently
+    active sessions: a daemon that has seen many sessions holds a bounded state, and an active one still has its
+    fix linked to its failures."""
+    await send(client, claude_post("npm run build", stderr="Error: Cannot find module 'vite'", session="busy",
+                                   failed=True))
+    for n in range(SESSIONS_KEPT + 20):
+        await send(client, prompt(f"tidy the module number {n}", session=f"many-{n}"))
+        if n % 100 == 0:
+            await send(client, claude_post("npm run build", stderr="Error: Cannot find module 'vite'",
+                                           session="busy", failed=True))
+    await send(client, claude_post("npm run build", "built in 2.1s", session="busy"))
+    (capturer,) = [p for p in daemon.writer.processors if isinstance(p, Capturer)]
+    assert len(capturer.sessions) == SESSIONS_KEPT and "busy" in capturer.sessions
+    fixed = [m for m in await captured(client) if m["origin"] == "capture:fixed_after_failure"]
+    assert [m["text"].startswith("Works: `npm run build`") for m in fixed] == [True]
 
 
 async def test_a_long_rule_keeps_its_end_in_memory_and_in_the_next_start_block(client: AsyncClient) -> None:

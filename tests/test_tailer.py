@@ -461,6 +461,33 @@ async def test_appended_lines_are_ingested_once(client: AsyncClient, daemon: Dae
                                    "message_id": "m2", "uuid": "a2"}
 
 
+async def test_an_ended_sessions_transcripts_are_let_go_once_read(client: AsyncClient, daemon: Daemon, home: Path,
+                                                                   tmp_path: Path) -> None:
+    """A session that ended writes nothing more: its transcript is read to the end and then no longer followed
+    (nor stat'ed every pass), and one never made is not waited for; a later hook of the session (a resume) follows
+    it again from where reading stood, so nothing is read twice."""
+    assert daemon.tailer is not None
+    daemon.tailer.ended_idle_s = 0.5
+    made, never = tmp_path / "end-1.jsonl", tmp_path / "end-2.jsonl"
+    made.write_bytes(line(c_user("end-1", "u1", "first prompt")) + line(c_assistant("end-1", "a1", "m1", "answer")))
+    for sid, path in (("end-1", made), ("end-2", never)):
+        await hook(client, sid, transcript_path=str(path))
+    await wait_until(caught_up(daemon, made), "the made transcript read")
+    assert follower(daemon, never) is not None
+    await hook(client, "end-1", "UserPromptSubmit", transcript_path=str(made), prompt="one more thing")
+    await passes(daemon, 2)
+    assert follower(daemon, made) is not None  # a live session's file stays followed however quiet
+    for sid, path in (("end-1", made), ("end-2", never)):
+        await hook(client, sid, "SessionEnd", transcript_path=str(path), reason="exit")
+    await wait_until(lambda: follower(daemon, made) is None and follower(daemon, never) is None,
+                     "the ended sessions' files let go")
+    with made.open("ab") as fh:
+        fh.write(line(c_user("end-1", "u2", "resumed prompt")))
+    await hook(client, "end-1", "SessionStart", transcript_path=str(made), source="resume")
+    await wait_until(caught_up(daemon, made), "the resumed transcript read")
+    assert transcript_counts(home, "end-1") == {"user_message": 2, "assistant_message": 1}
+
+
 async def test_lone_surrogates_in_a_transcript_never_stall_it(client: AsyncClient, daemon: Daemon, home: Path,
                                                               tmp_path: Path) -> None:
     """JSON may escape half a surrogate pair ("\\ud800"), which has no UTF-8 form: such lines are stored with U+FFFD

@@ -129,6 +129,27 @@ def test_removed_rows_leave_the_index_and_the_rest_still_rank() -> None:
     assert sorted(index.search(vectors[5], Filters())[0]) == [1, 3, 4, 6] and 6 in index
 
 
+def test_the_index_keeps_nothing_per_session_for_sessions_gone() -> None:
+    """Sessions come and go for good: the index numbers a session by a hash of its id, so once their memories are
+    removed nothing of them is left; the session filter and recurrence (neighbours in other sessions) still work."""
+    rng = np.random.default_rng(11)
+    vectors = rng.standard_normal((2001, 8)).astype("<f4")
+
+    def row(i: int, session: str | None) -> IndexRow:
+        bits = sign_bits(vectors[i])[0]
+        return IndexRow(i, vectors[i].tobytes(), bits, bits, "p", "project", session, "fact", float(i))
+
+    index = BitIndex("m", 8)
+    index.upsert(row(i, f"gone-{i}") for i in range(1, 2001))
+    index.remove(range(1, 2001))
+    index.upsert([row(1, "a"), row(2, "a"), row(3, "b"), row(4, None)])
+    assert len(index._codes) <= 8  # project, scope and kind names only
+    assert sorted(index.search(vectors[1], Filters(session="a"))[0]) == [1, 2]
+    assert index.search(vectors[1], Filters(session="gone-7"))[0] == []
+    raw = index.words_of(sign_bits(vectors[1])[0])
+    assert sorted(index.near_candidates([(raw, 1, "a")], 10, "p")[0]) == [3, 4]
+
+
 async def test_the_back_fill_waits_while_hooks_arrive_and_catches_up_when_they_pause(client: AsyncClient) -> None:
     """Live hooks come first: while they arrive the back-fill is held (status says so) and what is stored meanwhile
     waits; once they pause, it is embedded."""

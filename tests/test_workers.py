@@ -514,6 +514,72 @@ async def test_events_are_purged_only_after_the_observer_passed_them(monkeypatch
         assert payloads in ([], ['{"purged": true}'])
 
 
+async def shown(client: AsyncClient, session: str, event: str, cwd: str, **extra: Any) -> str:
+    """A hook with context, the way the shim sends it: what the agent was shown."""
+    raw = json.dumps({"session_id": session, "transcript_path": f"{cwd}/{session}.jsonl", "cwd": cwd,
+                      "hook_event_name": event, **extra}).encode()
+    reply = await client.call("hook", raw=raw, event=event, context=True, deadline_ms=5000)
+    return str(reply["stdout"])
+
+
+async def test_gc_prunes_an_idle_sessions_record_and_old_runs_but_keeps_what_is_needed(monkeypatch, home) -> None:
+    """A worker runs every interval, work or not: GC keeps the runs' log `job_history_days` (each worker's latest
+    run and latest error always). Under `event_ttl_days`, a session quiet longer than it and the working set loses
+    the blocks it was shown and its frozen blocks; its row stays with its transcript offset (a resumed session must
+    not re-read its transcript from byte 0) and the memories it was shown. Without a retention, all of it stays."""
+    cwd = str(home / "work")
+    for ttl in (0, 1):
+        async with loomd(monkeypatch, home, event_ttl_days=ttl) as (d, client):
+            await client.call("store", text=f"Never push directly to main; open a pull request ({ttl})",
+                              kind="constraint", cwd=cwd)
+            idle, live = f"idle-{ttl}", f"live-{ttl}"
+            for session in (idle, live):
+                assert await shown(client, session, "SessionStart", cwd, source="startup")
+                await shown(client, session, "UserPromptSubmit", cwd, prompt="how do we push to main, again?")
+            for _ in range(100):  # what a session was shown is noted just after the hook's answer
+                noted = await db_rows(d, "SELECT count(*) FROM sessions WHERE id IN (?, ?) AND start_block IS NOT"
+                                         " NULL AND injected != '[]'", (idle, live))
+                if noted[0][0] == 2:
+                    break
+                await asyncio.sleep(0.02)
+            for name in ("digest", "dropper", "digest", "dropper", "digest"):
+                await client.call("workers_run", name=name)
+            old = time.time() - 30 * 86400
+            async with d.store.atomic() as db:
+                await db.execute("UPDATE sessions SET last_seen = ?, transcript_offset = 1234 WHERE id = ?",
+                                 (old, idle))
+                await db.execute("UPDATE jobs SET started = ?, ended = ?", (old, old + 1))
+                # An old failed run of the digest, older than its latest run: `loom workers` shows it.
+                await db.execute("UPDATE jobs SET outcome = 'error', error = 'disk full' WHERE id ="
+                                 " (SELECT min(id) FROM jobs WHERE worker = 'digest')")
+            runs = await db_rows(d, "SELECT worker, id, outcome FROM jobs ORDER BY id")
+            latest = {w: i for w, i, _ in runs if w != "gc"}  # the run below is gc's latest
+            failed = {w: i for w, i, o in runs if o == "error"}
+            before = {s: await db_rows(d, "SELECT start_block, injected, transcript_offset FROM sessions WHERE id = ?",
+                                       (s,)) for s in (idle, live)}
+            blocks = {s: (await db_rows(d, "SELECT count(*) FROM injections WHERE session_id = ?", (s,)))[0][0]
+                      for s in (idle, live)}
+            assert all(blocks.values())
+
+            gc = await client.call("workers_run", name="gc")
+            assert gc["outcome"] == "ok"
+            left = {r[0] for r in await db_rows(d, "SELECT id FROM jobs WHERE started < ?", (old + 10,))}
+            assert left == set(latest.values()) | set(failed.values()) and failed
+            assert await d.store.scalar("SELECT count(*) FROM jobs WHERE id = ?", (gc["job_id"],)) == 1
+            after = {s: await db_rows(d, "SELECT start_block, injected, transcript_offset FROM sessions WHERE id = ?",
+                                      (s,)) for s in (idle, live)}
+            assert [tuple(r) for r in after[live]] == [tuple(r) for r in before[live]]
+            ((block, injected, offset),) = after[idle]
+            assert (injected, offset) == (before[idle][0][1], 1234) and json.loads(injected)
+            assert (block is None) == bool(ttl)
+            assert (await db_rows(d, "SELECT count(*) FROM injections WHERE session_id = ?", (idle,)))[0][0] == (
+                0 if ttl else blocks[idle])
+            assert (await db_rows(d, "SELECT count(*) FROM injections WHERE session_id = ?", (live,)))[0][0] == (
+                blocks[live])
+            # Resumed after all, the session gets a start block again.
+            assert await shown(client, idle, "SessionStart", cwd, source="resume")
+
+
 async def sessions_cited(d: Daemon, memory_id: int) -> set[str]:
     rows = await db_rows(d, "SELECT e.session_id FROM memory_sources s JOIN events e ON e.id = s.event_id"
                             " WHERE s.memory_id = ?", (memory_id,))

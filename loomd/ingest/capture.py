@@ -38,6 +38,10 @@ from loomd.store.memories import MemoryWriter, insert_memory, set_archived, supe
 USER_RULE_CHARS = 320  # a rule in the user's words is kept whole more often than a tool's line (blocks clip it again)
 # An entry of another tool's memory file is second-hand: its writer typed it a rule, the user did not say it here.
 MEMORY_FILE_IMPORTANCE = 0.8
+# The rules' state is kept for this many sessions, the most recently active ones: a session idle while this many
+# others ran starts afresh if it comes back (a fix then is not linked to a failure seen before). Unbounded, the state
+# of every session the daemon ever saw stayed in memory for the daemon's life.
+SESSIONS_KEPT = 256
 
 
 @dataclass
@@ -308,7 +312,7 @@ class Capturer:
             prompt = prompt_text(event)
             if run is None and prompt is None:
                 continue
-            state = self.sessions.setdefault(event.session_id, SessionMemory())
+            state = self._state(event.session_id)
             for capture in evaluate(run, prompt, state):
                 if capture.kind in off:
                     continue
@@ -323,6 +327,15 @@ class Capturer:
             if run is not None and not run.failed \
                     and (shown := snapshot(run.tool, run.path, run.command, run.input, run.output)) is not None:
                 await self._memory_file(db, event, shown, off)
+
+    def _state(self, session_id: str) -> SessionMemory:
+        """The session's rule state, made the most recent (dicts keep insertion order); the least recent goes past
+        SESSIONS_KEPT."""
+        state = self.sessions.pop(session_id, None)
+        self.sessions[session_id] = state = state if state is not None else SessionMemory()
+        if len(self.sessions) > SESSIONS_KEPT:
+            del self.sessions[next(iter(self.sessions))]
+        return state
 
     async def _memory_file(self, db: aiosqlite.Connection, event: Event, shown: Snapshot,
                            off: frozenset[str]) -> None:

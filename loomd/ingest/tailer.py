@@ -69,6 +69,11 @@ RESUME_DAYS = 7.0
 IDLE_RETIRE_S = 3600.0  # a hook or a rescan brings a retired file back the moment it matters again
 MISSING_GRACE_S = 600.0  # hooks name the transcript before the agent creates it
 GONE_GRACE_S = 60.0  # a rotated file can reappear under the same name
+# A session that ended (its SessionEnd hook) writes nothing more but a last flush: its files are let go once read to
+# the end and this long unchanged (a never-made one: this long after it was named). Kept to IDLE_RETIRE_S, the
+# files of every session of the last hour (every one named in MISSING_GRACE_S, made or not) were stat'ed each pass
+# and held in memory. A later hook of the session (a resume) follows them again from their checkpoints.
+ENDED_IDLE_S = 60.0
 BATCH_EVENTS = 500
 READ_BYTES = 256 << 10
 PASS_BYTES = 8 << 20  # per file per pass, so one large backlog does not starve the others
@@ -97,6 +102,7 @@ class Follower:
     active: float = field(default_factory=time.monotonic)  # last time the size changed
     error: str | None = None
     events: int = 0
+    ended: bool = False  # its session's SessionEnd hook came (a main transcript); a later hook clears it
 
     @property
     def path(self) -> Path:
@@ -233,6 +239,7 @@ class Tailer:
         self.idle_retire_s = IDLE_RETIRE_S
         self.missing_grace_s = MISSING_GRACE_S
         self.gone_grace_s = GONE_GRACE_S
+        self.ended_idle_s = ENDED_IDLE_S
         self.submitted = 0
         self.stored = 0
         self.dropped = 0
@@ -258,26 +265,31 @@ class Tailer:
             if e.source != "hook":
                 continue
             if e.transcript_path:
-                self._request(e.transcript_path, e.session_id, "main", e.agent, e.cwd, None)
+                key = self._request(e.transcript_path, e.session_id, "main", e.agent, e.cwd, None)
+                if (main := self.followers.get(key or "")) is not None and main.session_id == e.session_id:
+                    main.ended = e.kind == "SessionEnd"
             sub = e.payload.get("agent_transcript_path")
             if isinstance(sub, str) and sub:
                 agent_id = e.payload.get("agent_id")
                 self._request(sub, e.session_id, "subagent", e.agent, e.cwd, str(agent_id) if agent_id else None)
 
-    def _request(self, raw: str, session_id: str, role: Role, hint: str, cwd: str | None, agent_id: str | None) -> None:
+    def _request(self, raw: str, session_id: str, role: Role, hint: str, cwd: str | None,
+                 agent_id: str | None) -> str | None:
+        """Follow the file (if not already); its key, None when the path cannot be resolved."""
         path = os.path.expanduser(raw)
         if not os.path.isabs(path):
             if not cwd:
-                return
+                return None
             path = os.path.join(cwd, path)
         key = _normalise(path)
         known = self.followers.get(key)
         if known is not None and not _takes_over(known, session_id, role):
             if known.cwd is None:
                 known.cwd = cwd
-            return
+            return key
         self._requests.append(Request(key, session_id, role, hint, cwd, agent_id))
         self._wake.set()
+        return key
 
     async def _add(self, req: Request) -> None:
         known = self.followers.get(req.key)
@@ -542,7 +554,11 @@ class Tailer:
             self.dropped += 1
 
     def _retire_idle(self, now: float) -> None:
+        ended = {f.session_id for f in self.followers.values() if f.role == "main" and f.ended}
+
         def idle(f: Follower) -> bool:
+            if f.session_id in ended:
+                return now - f.active > self.ended_idle_s and (not f.seen or f.offset >= f.size)
             return now - f.active > self.idle_retire_s
 
         subagents: dict[str, list[Follower]] = {}

@@ -33,6 +33,7 @@ tens of milliseconds per 10k memories, fine for a script, not for the daemon's p
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,13 @@ def as_matrix(blobs: Sequence[bytes], dim: int) -> np.ndarray:
     if len(joined) != len(blobs) * dim * 4:
         raise ValueError(f"vectors of {sorted({len(b) // 4 for b in blobs})} dimensions, the index has {dim}")
     return np.frombuffer(joined, dtype="<f4").reshape(len(blobs), dim)
+
+
+def session_code(session: str) -> int:
+    """A session's number in the index: a stable 62-bit hash of its id, not an entry of `BitIndex._codes` (the index
+    would keep one for every session it ever saw, the deleted ones' too). Non-negative: a memory without a session
+    is a session of its own, `-1 - id`; two sessions share a number with odds of 2**-62."""
+    return int.from_bytes(hashlib.blake2b(session.encode(), digest_size=8).digest(), "big") >> 2
 
 
 class _Scratch(threading.local):
@@ -179,7 +187,7 @@ class BitIndex:
                 a["project"][at] = self._code("p:" + row.project)
                 a["scope"][at] = self._code("s:" + row.scope)
                 # A memory without a session is a session of its own (for recurrence).
-                a["session"][at] = self._code("t:" + row.session) if row.session is not None else -1 - row.id
+                a["session"][at] = session_code(row.session) if row.session is not None else -1 - row.id
                 a["kind"][at] = self._code("k:" + row.kind)
                 a["created"][at] = row.created
 
@@ -225,7 +233,7 @@ class BitIndex:
         if f.kinds is not None:
             both(np.isin(a["kind"][:n], [codes[k] for k in ("k:" + x for x in f.kinds) if k in codes]))
         if f.session is not None:
-            both(a["session"][:n] == codes.get("t:" + f.session, -(2**62)))
+            both(a["session"][:n] == session_code(f.session))
         if f.since is not None:
             both(a["created"][:n] >= f.since)
         if f.until is not None:
@@ -279,7 +287,7 @@ class BitIndex:
             # Copies (fancy indexing): searches need not wait while the distances are computed.
             in_project = np.flatnonzero(a["project"][:n] == self._codes["p:" + project])
             ids, raw, sessions = a["id"][in_project], a["raw"][in_project], a["session"][in_project]
-            owns = [self._codes.get("t:" + session, -2) if session is not None else -1 - memory_id
+            owns = [session_code(session) if session is not None else -1 - memory_id
                     for _, memory_id, session in queries]
         out = []
         for (query, _, _), own in zip(queries, owns, strict=True):

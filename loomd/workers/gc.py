@@ -6,7 +6,11 @@ working set is never touched: memories injected into a recently active session, 
 tasks and everything linked to them. Raw events older than `event_ttl_days` are purged only once the observer's
 watermark has passed them; an event that a memory cites keeps its row (the provenance link) and loses its payload.
 The evidence passages made from such events are the events' own text, searchable: under that same retention they go
-with them (deleted, outside the working set), so a retention the user sets bounds the evidence tier too.
+with them (deleted, outside the working set), so a retention the user sets bounds the evidence tier too. So does the
+rest of an idle session's record: the blocks it was shown (`injections`) and its frozen start and compaction blocks
+go once the session has been quiet longer than both that retention and the working set; the session's row stays
+(its transcript offset, the memories it was shown). The runs' log (`jobs`) keeps `job_history_days`, and always each
+worker's latest run and latest error (what `loom workers` shows).
 """
 
 from __future__ import annotations
@@ -121,11 +125,14 @@ class GC:
             await self.stale_tasks(db, cfg, now, protected, report, scope)
             await self.banned(db, cfg, report, scope)
             await self.dangling_edges(db, report)
+            if cfg.job_history_days > 0:
+                await self.prune_jobs(db, cfg, now, report)
             if cfg.archived_ttl_days > 0:
                 deleted |= await self.delete_archived(db, cfg, now, protected, report, scope)
             if cfg.event_ttl_days > 0:
                 deleted |= await self.expire_evidence(db, cfg, now, protected, report, scope)
                 await self.purge_events(db, cfg, now, report, scope)
+                await self.prune_sessions(db, cfg, now, report, scope)
             await progress(db, report, 0, report.items_out - before)
         if deleted and not req.dry_run:
             ctx.memories.gone(sorted(deleted))
@@ -252,3 +259,39 @@ class GC:
                                (cutoff, scope.param, PURGE_BATCH))
         if stripped or cur.rowcount:
             report.wrote("events_purged", deleted=cur.rowcount, payload_dropped=stripped)
+
+    async def prune_jobs(self, db: aiosqlite.Connection, cfg: Config, now: float, report: RunReport) -> None:
+        """Finished runs older than `job_history_days`: a worker runs every `worker_interval_s` whether or not it
+        has work, so kept for good the log would grow by thousands of rows a day. Each worker's latest run and
+        latest error stay, whatever their age (`status` and `loom workers` show them)."""
+        cutoff = now - cfg.job_history_days * 86400
+        workers = [r[0] for r in await (await db.execute("SELECT DISTINCT worker FROM jobs")).fetchall()]
+        deleted = 0
+        for worker in workers:  # one range of the (worker, started) index each
+            cur = await db.execute(
+                "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE worker = ? AND started < ?"
+                " AND outcome != 'running' AND id != (SELECT max(id) FROM jobs WHERE worker = ?)"
+                " AND id IS NOT (SELECT max(id) FROM jobs WHERE worker = ? AND outcome = 'error') LIMIT ?)",
+                (worker, cutoff, worker, worker, PURGE_BATCH))
+            deleted += max(cur.rowcount, 0)
+        if deleted:
+            report.wrote("jobs_pruned", count=deleted)
+
+    async def prune_sessions(self, db: aiosqlite.Connection, cfg: Config, now: float, report: RunReport,
+                             scope: Scope) -> None:
+        """Under `event_ttl_days`, a session quiet longer than it and than the working set loses the rest of its
+        record: the blocks it was shown (`injections`, the viewer's session page) and its frozen start and
+        compaction blocks (were it resumed, it gets fresh ones; a prompt cache is long cold by then). Its row
+        stays: the transcript offset the tailer resumes from, and `injected`, the memories it was shown."""
+        cutoff = now - max(cfg.event_ttl_days, cfg.working_set_days) * 86400
+        idle = f"SELECT id FROM sessions WHERE last_seen < ? AND {scope.where}"
+        cur = await db.execute(
+            f"DELETE FROM injections WHERE id IN (SELECT i.id FROM ({idle}) s JOIN injections i"
+            " ON i.session_id = s.id LIMIT ?)", (cutoff, scope.param, PURGE_BATCH))
+        shown = max(cur.rowcount, 0)
+        cur = await db.execute(
+            f"UPDATE sessions SET start_block = NULL, compact_block = NULL WHERE id IN ({idle}"
+            " AND (start_block IS NOT NULL OR compact_block IS NOT NULL) LIMIT ?)", (cutoff, scope.param, PURGE_BATCH))
+        blocks = max(cur.rowcount, 0)
+        if shown or blocks:
+            report.wrote("sessions_pruned", injections=shown, blocks=blocks)
