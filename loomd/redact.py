@@ -1642,7 +1642,7 @@ _clean_short: dict[str, None] = {}
 # Long strings repeat too: a file read again, a test run's output, a tool result copied into a later session (an
 # import of a history re-reads them all). Each result is kept under a digest of its input, never the input itself,
 # so the cache holds no secret; the oldest go first once the results pass MAX_LONG_CHARS characters in all.
-MAX_LONG_CHARS = 1_000_000
+MAX_LONG_CHARS = 500_000
 _long_done: dict[bytes, str] = {}
 _long_chars = 0
 _long_lock = threading.Lock()  # the tailer redacts on a worker thread too
