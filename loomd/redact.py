@@ -1664,6 +1664,14 @@ def _redact_long(text: str) -> str:
     return out
 
 
+def forget_long() -> None:
+    """Drop the remembered long results (bench/redaction.py times redaction itself, not a lookup)."""
+    global _long_chars
+    with _long_lock:
+        _long_done.clear()
+        _long_chars = 0
+
+
 _last_lower: tuple[str, str] = ("", "")
 
 
