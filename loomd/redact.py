@@ -12,6 +12,7 @@ import binascii
 import hashlib
 import math
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -84,16 +85,6 @@ def _rarest(trigger: str) -> str | None:
     A text without it cannot hold the trigger: one search for a character, remembered for the text, stands in for the
     searches of every trigger that holds it (117 substring searches were half of a 2 KB text's redaction)."""
     return max(trigger, key=lambda c: _COMMON_FIRST.find(c) % (len(_COMMON_FIRST) + 1), default=None)
-
-
-def _holds(hay: str, trigger: str, rare: str | None, held: dict[str, bool]) -> bool:
-    """`trigger in hay`, ruled out first by its `rare` character, whose presence `held` remembers for this `hay`."""
-    if rare is not None:
-        if (has := held.get(rare)) is None:
-            has = held[rare] = rare in hay
-        if not has:
-            return False
-    return trigger in hay
 
 
 # ---------------------------------------------------------------------------------------------
@@ -823,11 +814,17 @@ def _cli_starts(text: str) -> Iterator[int]:
     trigger check, as this search is one."""
     found: set[int] = set()
     held: dict[str, bool] = {}
+    rare_first = len(text) >= RARE_FIRST_CHARS
     for trigger, rare in _CLI_CHECKS:
-        if not _holds(text, trigger, rare, held):
-            continue
-        sub = trigger.startswith(" ")
+        # `_redact`'s trigger check, inline (a call per trigger cost a fifth of this function), and one search: the
+        # first `find` tells whether the trigger is there at all.
+        if rare_first and rare is not None:
+            if (has := held.get(rare)) is None:
+                has = held[rare] = rare in text
+            if not has:
+                continue
         at = text.find(trigger)
+        sub = trigger.startswith(" ")
         while at >= 0:
             if sub:
                 line = max(text.rfind("\n", max(0, at - _SUB_REACH), at) + 1, at - _SUB_REACH, 0)
@@ -1074,7 +1071,8 @@ _TOKEN_SPECS: tuple[tuple[str, str, tuple[str, ...], Callable[[str], bool] | Non
      _mixed_case_digit),
     ("github_token", r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{30,}+|github_pat_[A-Za-z0-9_]{22,}+)",
      ("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"), None),
-    ("gitlab_token", r"(?<![A-Za-z0-9_\-])gl(?:pat|dt|rt|ptt|cbt|ft|imt|oas|soat|agent|wt)-[A-Za-z0-9_\-]{20,}+",
+    # The literal first (its look-behind after it), so the scan is a fast search for it: `gl` is in most texts.
+    ("gitlab_token", r"gl(?<![A-Za-z0-9_\-]gl)(?:pat|dt|rt|ptt|cbt|ft|imt|oas|soat|agent|wt)-[A-Za-z0-9_\-]{20,}+",
      ("gl",), None),
     ("slack_token", r"(?<![A-Za-z0-9_\-])(?:xox[abprseo]|xapp)-[A-Za-z0-9\-]{10,}+", ("xox", "xapp-"), None),
     ("slack_token", r"(?<=hooks\.slack\.com/)(?:services|workflows|triggers)/[A-Za-z0-9/_\-]++",
@@ -1110,10 +1108,12 @@ _TOKEN_SPECS: tuple[tuple[str, str, tuple[str, ...], Callable[[str], bool] | Non
 # Rules whose pattern cannot start with a literal find their starts with plain searches
 
 
-def _found_starts(pattern: re.Pattern[str], words: tuple[str, ...], back: int = 0, lower: bool = False
-                  ) -> Callable[[str], Iterator[int]]:  # fmt: skip
-    """Starts for a pattern that begins `back` characters before one of `words`, found by a plain search (in the
-    lower-cased text if `lower`): much cheaper than the pattern's own scan when it cannot start with a literal."""
+def _found_starts(pattern: re.Pattern[str], words: tuple[str, ...], back: int | tuple[int, ...] = 0,
+                  lower: bool = False) -> Callable[[str], Iterator[int]]:  # fmt: skip
+    """Starts for a pattern that begins `back` characters (or any of several such distances) before one of `words`,
+    found by a plain search (in the lower-cased text if `lower`): much cheaper than the pattern's own scan when it
+    cannot start with a literal."""
+    backs = back if isinstance(back, tuple) else (back,)
 
     def starts(text: str) -> Iterator[int]:
         hay = _findable_lower(text) if lower else text
@@ -1123,8 +1123,7 @@ def _found_starts(pattern: re.Pattern[str], words: tuple[str, ...], back: int = 
         for word in words:
             at = hay.find(word)
             while at >= 0:
-                if at >= back:
-                    found.add(at - back)
+                found.update(at - b for b in backs if at >= b)
                 at = hay.find(word, at + 1)
         return iter(sorted(found))
 
@@ -1576,7 +1575,10 @@ def _build_rules() -> tuple[_Rule, ...]:
                                    "get secret"), _replace_printed_secret),
         _Rule(_CLI_FLAG_RE, ("-",), _replace_cli_flag, starts=_flag_starts),
         _Rule(_NETRC_RE, ("password", "passwd"), _replace_netrc),
-        _Rule(_AUTH_TUPLE_RE, ("auth",), _value_replacer("env_secret")),
+        # `auth=` starts at its word; `HTTPBasicAuth(` and the others 0 or 4 characters before `BasicAuth(` or
+        # `DigestAuth(` (the alternation has no literal to start from: its own scan was the costliest rule's).
+        _Rule(_AUTH_TUPLE_RE, ("auth",), _value_replacer("env_secret"),
+              starts=_found_starts(_AUTH_TUPLE_RE, ("auth", "BasicAuth(", "DigestAuth("), back=(0, 4))),
         _Rule(_XML_KEY_VALUE_RE, ("value",), _replace_xml_key_value),
         _Rule(
             _ASSIGN_RE, ("pass", "pwd", "secret", "token", "key", "auth", "cred", "sig", "psk"), _replace_assignment,
@@ -1622,7 +1624,7 @@ def redact_text(text: str) -> str:
     # checks on each cost more than the one long string of a payload. Those found clean are remembered: only
     # text without a secret is kept, so the cache never holds one.
     if len(text) > SHORT_TEXT:
-        return _redact(text)
+        return _redact_long(text)
     if text in _clean_short:
         return text
     out = _redact(text)
@@ -1636,6 +1638,38 @@ def redact_text(text: str) -> str:
 SHORT_TEXT = 256
 MAX_CLEAN_SHORT = 8192
 _clean_short: dict[str, None] = {}
+
+# Long strings repeat too: a file read again, a test run's output, a tool result copied into a later session (an
+# import of a history re-reads them all). Each result is kept under a digest of its input, never the input itself,
+# so the cache holds no secret; the oldest go first once the results pass MAX_LONG_CHARS characters in all.
+MAX_LONG_CHARS = 500_000
+_long_done: dict[bytes, str] = {}
+_long_chars = 0
+_long_lock = threading.Lock()  # the tailer redacts on a worker thread too
+
+
+def _redact_long(text: str) -> str:
+    global _long_chars
+    key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    if (out := _long_done.get(key)) is not None:
+        return out
+    out = _redact(text)
+    if len(out) <= MAX_LONG_CHARS // 4:
+        with _long_lock:
+            if key not in _long_done:
+                _long_done[key] = out
+                _long_chars += len(out)
+                while _long_chars > MAX_LONG_CHARS:
+                    _long_chars -= len(_long_done.pop(next(iter(_long_done))))
+    return out
+
+
+def forget_long() -> None:
+    """Drop the remembered long results (bench/redaction.py times redaction itself, not a lookup)."""
+    global _long_chars
+    with _long_lock:
+        _long_done.clear()
+        _long_chars = 0
 
 
 _last_lower: tuple[str, str] = ("", "")
@@ -1681,7 +1715,7 @@ def _redact(text: str) -> str:
         held: dict[str, bool] = {}
         for rule, checks in _CHECKS:
             for trigger, rare in checks:
-                if rare is not None:  # `_holds`, inline: a call per trigger costs as much as the search it saves
+                if rare is not None:  # inline: a call per trigger costs as much as the search it saves
                     if (has := held.get(rare)) is None:
                         has = held[rare] = rare in low
                     if not has:

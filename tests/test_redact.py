@@ -3,6 +3,7 @@ import copy
 import dataclasses
 import json
 import random
+import re
 import string
 
 import pytest
@@ -564,6 +565,8 @@ _STARTS_PIECES = st.sampled_from([
     "to", "for the db", ":", "=", " ", "\t", "\n", "\\n", "hunter2Xyz", "0x" + "ab" * 32, "use", "Use", "as the",
     "creds", "credentials", "Login", "/", "AC" + "0" * 32, "SK" + "f" * 32, "a" * 32, "-us21", "variable",
     '"db_password"', "{", "default = ", '"', "'", "[", "]", "[REDACTED:x]", "é", "\u212aey", "İ",
+    "auth", "auth=(", "auth = [", "Auth(", "BasicAuth(", "DigestAuth(", "HTTPBasicAuth(", "HTTPDigestAuth(", "HTTP",
+    '"u", "pw")', "'u', 'pw'", ".", ",",
 ])
 
 
@@ -605,3 +608,28 @@ def test_short_clean_strings_are_remembered_and_secrets_never() -> None:
             assert first == second and secret not in first
             assert text not in redact._clean_short
     assert redact_text("hook_event_name") == "hook_event_name" and "hook_event_name" in redact._clean_short
+
+
+def test_gitlab_literal_first_finds_what_the_look_behind_first_form_finds() -> None:
+    """The GitLab pattern starts with its literal (a fast scan); the look-behind after it keeps the old meaning."""
+    before = re.compile(r"(?<![A-Za-z0-9_\-])gl(?:pat|dt|rt|ptt|cbt|ft|imt|oas|soat|agent|wt)-[A-Za-z0-9_\-]{20,}+")
+    after = next(r.pattern for r in redact._RULES if r.pattern.pattern.startswith("gl(?<!"))
+    tail = GITLAB.removeprefix("glpat-")
+    texts = [GITLAB, f"x{GITLAB}", f"-{GITLAB}", f"_{GITLAB}", f" {GITLAB}", f"a=gldt-{tail} glrt-{tail}",
+             f"glglpat-{tail}", f"\n{GITLAB}\n", "gl" * 50, f"{GITLAB[:-15]}"]
+    for text in texts:
+        assert [m.span() for m in after.finditer(text)] == [m.span() for m in before.finditer(text)], text
+
+
+def test_long_results_are_remembered_under_a_digest_and_never_the_input() -> None:
+    """A long string seen again (a file read twice, a tool result an import meets in every copy of a session) is not
+    redacted again: the same result comes back; the cache keeps only results, keyed by a digest of the input."""
+    secret = f"AWS_SECRET_ACCESS_KEY={GENERIC}"
+    text = "output line of a build\n" * 40 + secret + "\n" + "more output\n" * 20
+    assert len(text) > redact.SHORT_TEXT
+    first = redact_text(text)
+    second = redact_text(text)
+    assert second is first and GENERIC not in first
+    assert redact_text(text + " ") is not first  # another input: redacted on its own
+    held = [v for v in vars(redact).values() if isinstance(v, dict)]
+    assert not any(GENERIC in str(k) or GENERIC in str(v) for d in held for k, v in list(d.items()))
