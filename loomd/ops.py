@@ -149,7 +149,7 @@ class Ops:
                                                 max_chars=self.s.config().max_tool_output_chars,
                                                 now=sent_at(a["sent_at"]))
         # The context is read while the event commits; the reply (the ack) still waits for the commit.
-        written = asyncio.ensure_future(self.s.writer.submit([event]))
+        written = await self.s.writer.enqueue([event])
         try:
             if a["context"]:
                 stdout = await self.s.planner.for_hook(

@@ -151,11 +151,18 @@ class EventWriter:
         together with the events or not at all; for a `bulk` submitter (committed in slices, see above), together
         with its last events.
         """
+        return await asyncio.shield(await self.enqueue(events, also, bulk=bulk))
+
+    async def enqueue(self, events: list[Event], also: Processor | None = None, *,
+                      bulk: bool = False) -> asyncio.Future[list[Event]]:
+        """`submit` without the wait: the future of the commit that will hold the events (resolved after it, with the
+        events; or failed). For a caller with more to do meanwhile (a hook's context), without a task of its own."""
         if not bulk:
             self.live.arrived()
         # A folder the user keeps out of memory: its events are acknowledged and dropped (stored stays 0).
         roots = self.ignored.roots()
-        events = [event for event in events if not covers(roots, event.cwd)]
+        if roots:
+            events = [event for event in events if not covers(roots, event.cwd)]
         for event in events:
             if not event.project:
                 event.project = await project_of(event.cwd)
@@ -166,7 +173,7 @@ class EventWriter:
         except asyncio.QueueFull:
             self.losses.busy += len(events)
             raise Busy("the daemon is overloaded; spool the event and retry") from None
-        return await asyncio.shield(future)
+        return future
 
     async def submit_args(self, args: dict[str, Any], *, max_chars: int) -> list[Event]:
         """The `ingest` op, and the spool's replay of what the shim wrote: parse, then commit; acked after COMMIT."""
