@@ -122,6 +122,7 @@ class EventWriter:
         self._ready = asyncio.Event()  # set while either queue holds a batch
         self._event_s = 0.0  # a bulk event's cost in the writer (insert and captures), a moving average
         self._task: asyncio.Task[None] | None = None
+        self._bulk_acks: set[asyncio.Task[None]] = set()  # bulk submitters waiting for the log's sync
         self.processors: list[Processor] = []
         self.listeners: list[Listener] = []
         self.committed = 0
@@ -240,7 +241,10 @@ class EventWriter:
         self._event_s = spent if not self._event_s else 0.7 * self._event_s + 0.3 * spent
         item.committed = end
         if last:  # the log's sync after this slice covers the earlier ones too (the log is append-only)
-            await self._acknowledge([item], {}, self._bulk, part)
+            # Waited for apart: the next live commit does not wait behind an import's fsync.
+            task = asyncio.create_task(self._acknowledge([item], {}, self._bulk, part))
+            self._bulk_acks.add(task)
+            task.add_done_callback(self._bulk_acks.discard)
         else:
             self._notify(part)
         return last
@@ -250,7 +254,8 @@ class EventWriter:
         """Resolve each submitter of a commit once an fsync of the log begun after it has ended (`WalSync`). The
         writer waits for it before its next commit, as it waited for a FULL commit: what arrives meanwhile makes
         the next batch (on 2 busy CPUs, committing during the fsync made smaller batches and cost more CPU an
-        event); but the writer is free for the workers' and the back-fill's statements meanwhile."""
+        event); but the writer is free for the workers' and the back-fill's statements meanwhile. (A bulk
+        submitter's wait runs apart: live commits go on meanwhile.)"""
         unsynced: Exception | None = None
         if len(failed) < len(batch):
             try:
