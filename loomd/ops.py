@@ -110,7 +110,8 @@ class Ops:
             free = None
         return {"commit_failed": losses.failed, "busy_refused": losses.busy, "recent_errors": list(losses.recent),
                 "free_bytes": free, "parsed_in_child": self.s.writer.parser.in_process,
-                "commits": self.s.writer.commits, "events_committed": self.s.writer.committed}
+                "commits": self.s.writer.commits, "events_committed": self.s.writer.committed,
+                "log_syncs": self.s.store.wal.syncs}
 
     async def _counts(self) -> dict[str, int]:
         row = await self.s.store.fetchone(
@@ -149,7 +150,7 @@ class Ops:
                                                 max_chars=self.s.config().max_tool_output_chars,
                                                 now=sent_at(a["sent_at"]))
         # The context is read while the event commits; the reply (the ack) still waits for the commit.
-        written = asyncio.ensure_future(self.s.writer.submit([event]))
+        written = await self.s.writer.enqueue([event])
         try:
             if a["context"]:
                 stdout = await self.s.planner.for_hook(

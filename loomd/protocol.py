@@ -148,17 +148,17 @@ def takes(spec: ArgSpec) -> Callable[[Handler], Handler]:
 
 def take_args(args: dict[str, Any], spec: ArgSpec) -> dict[str, Any]:
     """Validate `args` against `spec` (name -> (type, default or REQUIRED)); unknown names are errors."""
-    unknown = sorted(map(repr, set(args) - set(spec)))  # keys may be of any msgpack type: never compare them
-    if unknown:
+    if not args.keys() <= spec.keys():
+        unknown = sorted(map(repr, set(args) - set(spec)))  # keys may be of any msgpack type: never compare them
         raise BadRequest(f"unknown argument(s): {', '.join(unknown)[:300]}; expected: {', '.join(sorted(spec))}")
     out: dict[str, Any] = {}
     for name, (kind, default) in spec.items():
-        if name not in args or args[name] is None:
+        value = args.get(name)
+        if value is None:
             if default is REQUIRED:
                 raise BadRequest(f"argument '{name}' is required ({_type_name(kind)})")
             out[name] = default
             continue
-        value = args[name]
         kinds = kind if isinstance(kind, tuple) else (kind,)
         # bool is an int subclass; never let True pass as a count, but let ints pass as floats.
         if isinstance(value, bool) and bool not in kinds:
@@ -170,7 +170,8 @@ def take_args(args: dict[str, Any], spec: ArgSpec) -> dict[str, Any]:
         if isinstance(value, float) and not math.isfinite(value):
             raise BadRequest(f"argument '{name}' must be a finite number, got {value}")
         # msgpack carries unsigned 64-bit integers; SQLite stores signed ones.
-        if any(isinstance(v, int) and not _INT64[0] <= v <= _INT64[1] for v in (value, *_items(value))):
+        if isinstance(value, int | list) and any(
+                isinstance(v, int) and not _INT64[0] <= v <= _INT64[1] for v in (value, *_items(value))):
             raise BadRequest(f"argument '{name}' holds an integer outside the signed 64-bit range")
         out[name] = value
     return out

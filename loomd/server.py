@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from loomd import protocol
 from loomd.errors import FrameTooLarge, LoomdError, UnknownOp
@@ -19,6 +18,8 @@ log = logging.getLogger(__name__)
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 # Health probes answer even under overload, so `loom status` can say why the daemon is busy.
 PROBES = frozenset({"ping", "status"})
+# How long a refused peer has to finish sending before the connection closes (see `Connection.connection_made`).
+REFUSED_LINGER_S = 0.2
 
 
 def peer_uid(sock: socket.socket) -> int | None:
@@ -47,20 +48,21 @@ class Server:
         self.max_frame = max_frame
         self.max_inflight = max_inflight
         self.inflight: set[asyncio.Task[None]] = set()
-        self.connections: set[asyncio.Task[None]] = set()
+        self.connections: set[Connection] = set()
         self.server: asyncio.AbstractServer | None = None
         self.requests = 0
         self.refused = 0
 
     async def start(self, *, path: str | None = None, sock: socket.socket | None = None) -> None:
+        loop = asyncio.get_running_loop()
         if sock is not None:
-            self.server = await asyncio.start_unix_server(self._on_connect, sock=sock)
+            self.server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
         else:
             assert path is not None
             # Bind under a private umask so the socket is never briefly world-connectable, then pin 0600.
             old = os.umask(0o177)
             try:
-                self.server = await asyncio.start_unix_server(self._on_connect, path=path)
+                self.server = await loop.create_unix_server(lambda: Connection(self), path=path)
             finally:
                 os.umask(old)
             os.chmod(path, 0o600)
@@ -70,79 +72,21 @@ class Server:
             self.server.close()
 
     async def drain(self, grace_s: float) -> int:
-        """Wait for in-flight requests up to `grace_s`; cancel and count what is left."""
+        """Wait for in-flight requests up to `grace_s`; cancel and count what is left (each answers
+        `shutting_down`), then close every connection."""
         pending = set(self.inflight)
         if pending:
             _, pending = await asyncio.wait(pending, timeout=grace_s)
         for task in pending:
             task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         for conn in list(self.connections):
-            conn.cancel()
-        await asyncio.gather(*self.connections, return_exceptions=True)
+            conn.close()
         return len(pending)
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.connections.add(task)
-        try:
-            sock = writer.get_extra_info("socket")
-            uid = peer_uid(sock) if sock is not None else None
-            if uid is not None and uid != os.getuid():
-                self.refused += 1
-                log.warning("refused a connection from uid %d: only uid %d may use this daemon", uid, os.getuid())
-                writer.write(protocol.encode_frame(protocol.error_reply(
-                    None, "forbidden", "this daemon serves only its own user")))
-                await writer.drain()
-                # Read (and drop) what the peer already sent before closing: closing with unread data resets the
-                # connection, and the peer would see a broken pipe instead of the refusal. Nothing is parsed.
-                with contextlib.suppress(TimeoutError, ConnectionError):
-                    await asyncio.wait_for(reader.read(1 << 16), 0.2)
-                return
-            await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except asyncio.CancelledError:
-            pass
-        finally:
-            self.connections.discard(task)
-            writer.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        lock = asyncio.Lock()
-        mine: set[asyncio.Task[None]] = set()
-        try:
-            while True:
-                try:
-                    header = await reader.readexactly(protocol.HEADER.size)
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial:
-                        await self._send(writer, lock, protocol.error_reply(
-                            None, "bad_frame", "truncated frame header"))
-                    return
-                (length,) = protocol.HEADER.unpack(header)
-                try:
-                    protocol.check_length(length, self.max_frame)
-                except FrameTooLarge as exc:
-                    # The rest of the stream cannot be trusted to re-synchronise: answer, then close.
-                    await self._send(writer, lock, protocol.error_reply(None, exc.code, str(exc)))
-                    return
-                try:
-                    body = await reader.readexactly(length)
-                except asyncio.IncompleteReadError:
-                    await self._send(writer, lock, protocol.error_reply(
-                        None, "bad_frame", f"truncated frame: expected {length} bytes"))
-                    return
-                task = asyncio.create_task(self._answer(body, writer, lock))
-                mine.add(task)
-                self.inflight.add(task)
-                task.add_done_callback(mine.discard)
-                task.add_done_callback(self.inflight.discard)
-        finally:
-            if mine:
-                await asyncio.wait(mine)
-
-    async def _answer(self, body: bytes, writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:
+    async def answer(self, body: bytes, conn: Connection) -> None:
+        """One request: decode, dispatch to its handler, reply. Every error becomes an error reply."""
         rid: Any = None
         try:
             message = protocol.decode_body(body)
@@ -159,26 +103,133 @@ class Server:
         except LoomdError as exc:
             reply = protocol.error_reply(rid if rid is not None else protocol.salvage_id(body), exc.code, str(exc))
         except asyncio.CancelledError:
-            reply = protocol.error_reply(rid, "shutting_down", "the daemon is stopping; retry shortly")
-            await self._send(writer, lock, reply)
+            conn.send(protocol.error_reply(rid, "shutting_down", "the daemon is stopping; retry shortly"))
             raise
         except Exception as exc:  # noqa: BLE001 - the boundary: one request never kills the daemon
             log.exception("internal error in a request")
             reply = protocol.error_reply(rid, "internal", f"internal error: {type(exc).__name__}")
-        await self._send(writer, lock, reply)
+        conn.send(reply)
 
-    async def _send(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, reply: dict[str, Any]) -> None:
+
+class Connection(asyncio.Protocol):
+    """One client connection: frames are cut from the bytes as they arrive (no stream reader, no await per read)
+    and each request runs as a task; its reply goes straight to the transport, in whatever order they finish.
+
+    The peer may half-close after its last request: the replies still in flight are written, then the connection
+    closes. While the transport's write buffer is full (a peer that sends and never reads), reading pauses, so
+    what a connection can make the daemon hold stays bounded."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()  # the start of a frame whose end has not arrived yet
+        self.need = protocol.HEADER.size  # bytes `buffer` must hold before a frame can be cut from it
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.reading = True  # False after EOF, an oversized frame or a refusal: nothing more is parsed
+        self.write_paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is one, without the subclass
+        self.server.connections.add(self)
+        sock = transport.get_extra_info("socket")
+        uid = peer_uid(sock) if sock is not None else None
+        if uid is not None and uid != os.getuid():
+            self.server.refused += 1
+            self.reading = False
+            log.warning("refused a connection from uid %d: only uid %d may use this daemon", uid, os.getuid())
+            self.send(protocol.error_reply(None, "forbidden", "this daemon serves only its own user"))
+            # Read (and drop) what the peer sends before closing, for a moment: closing with unread data resets the
+            # connection, and the peer would see a broken pipe instead of the refusal. Nothing is parsed.
+            asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self.close)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.reading:
+            return
+        buffer = self.buffer
+        if buffer:
+            buffer += data
+            if len(buffer) < self.need:
+                return
+            data = bytes(buffer)
+            buffer.clear()
+        at, size, header = 0, len(data), protocol.HEADER.size
+        while size - at >= header:
+            (length,) = protocol.HEADER.unpack_from(data, at)
+            try:
+                protocol.check_length(length, self.server.max_frame)
+            except FrameTooLarge as exc:
+                # The rest of the stream cannot be trusted to re-synchronise: answer, then close.
+                self.send(protocol.error_reply(None, exc.code, str(exc)))
+                self._stop_reading()
+                return
+            end = at + header + length
+            if end > size:
+                self.need = header + length
+                break
+            self._dispatch(data[at + header:end])
+            at = end
+        else:
+            self.need = header
+        if at < size:
+            buffer += memoryview(data)[at:]
+
+    def eof_received(self) -> bool:
+        if self.reading and self.buffer:
+            if len(self.buffer) < protocol.HEADER.size:
+                message = "truncated frame header"
+            else:
+                message = f"truncated frame: expected {self.need - protocol.HEADER.size} bytes"
+            self.send(protocol.error_reply(None, "bad_frame", message))
+        self._stop_reading()
+        return True  # keep the transport open: the replies still in flight go out before it closes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # Requests in flight run on (an event the peer sent is stored all the same); their replies go nowhere.
+        self.reading = False
+        self.server.connections.discard(self)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.reading and self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.reading and self.transport is not None:
+            self.transport.resume_reading()
+
+    def send(self, reply: dict[str, Any]) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
         try:
             frame = protocol.encode_frame(reply)
         except (TypeError, ValueError) as exc:
             frame = protocol.encode_frame(
                 protocol.error_reply(reply.get("id"), "internal", f"unencodable reply: {exc}"))
-        async with lock:
-            if writer.is_closing():
-                return
-            writer.write(frame)
-            try:
-                await writer.drain()
-            except ConnectionError:
-                pass
+        transport.write(frame)
 
+    def close(self) -> None:
+        """Close once what was written has gone out (the transport flushes its buffer first)."""
+        self.reading = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _dispatch(self, body: bytes) -> None:
+        task = asyncio.get_running_loop().create_task(self.server.answer(body, self))
+        self.tasks.add(task)
+        self.server.inflight.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.server.inflight.discard(task)
+        if not self.reading and not self.tasks:
+            self.close()
+
+    def _stop_reading(self) -> None:
+        """Parse nothing more; close as soon as the requests in flight have answered."""
+        self.reading = False
+        self.buffer.clear()
+        if not self.tasks:
+            self.close()

@@ -75,6 +75,19 @@ async def test_concurrent_starts_of_one_session_share_one_block(daemon: Daemon, 
     assert row["text"] == first
 
 
+async def test_first_hook_from_an_unseen_folder_gets_its_projects_block(client: AsyncClient, tmp_path: Path) -> None:
+    """A folder the daemon has not seen yet takes a moment to name (git is asked): the hook's context is read for
+    that project all the same, never for no project."""
+    folder = tmp_path / "unseen"
+    folder.mkdir()
+    await client.call("store", text="Never push directly to main; open a pull request", kind="constraint",
+                      project=f"dir:{folder}")  # named here, so the folder itself stays unseen until the hook
+    raw = json.dumps({"session_id": "unseen1", "transcript_path": "/tmp/unseen1.jsonl", "cwd": str(folder),
+                      "hook_event_name": "SessionStart", "source": "startup"}).encode()
+    reply = await client.call("hook", raw=raw, event="SessionStart", context=True, deadline_ms=5000)
+    assert "Never push directly to main" in reply["stdout"]
+
+
 async def test_start_block_never_exceeds_budget(client: AsyncClient) -> None:
     for i in range(60):
         await remember(client, f"Decision {i}: " + "use the retry queue for webhook delivery " * 5, "decision")

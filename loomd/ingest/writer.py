@@ -1,12 +1,15 @@
-"""Group commit: concurrent submitters share one transaction; each is acknowledged only after COMMIT.
+"""Group commit: concurrent submitters share one transaction; each is acknowledged only once it is on disk.
 
 Two kinds of submitters. Live ones (a hook, the `ingest` op, a spool replay) share group commits as they come. Bulk
 ones (`loom import`'s files, the tailer's chunks: hundreds of events each, with capture rules to run on every one)
 are committed in slices of a few milliseconds, one slice between two live commits, so that a hook waits behind at
 most one slice instead of a whole file's worth of inserts and captures (a 500-event import batch held the writer
-56 ms at the median, 320 ms at worst, on 2 CPUs). A bulk submitter's slices but the last are committed without
-waiting for the disk (synchronous NORMAL); its last slice is durable, and in WAL mode a durable commit syncs every
-transaction before it: the submitter is acknowledged only then, as every submitter is."""
+56 ms at the median, 320 ms at worst, on 2 CPUs).
+
+Every commit here ends without waiting for the disk (synchronous NORMAL), so the writer is held for the statements
+alone (the workers' and the back-fill's statements run while the disk works); its submitters are acknowledged after
+an fsync of the log begun after it (`store.wal.WalSync`). A bulk submitter waits for the sync after its last slice,
+which covers the earlier ones (the log is append-only)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Any
 
 import aiosqlite
 
-from loomd.errors import Busy
+from loomd.errors import Busy, StorageError
 from loomd.ignore import FILE_NAME as IGNORED_FILE
 from loomd.ignore import IgnoredProjects, covers
 from loomd.ingest.events import PROMPT_MARK, Event, paired_dedup
@@ -119,6 +122,7 @@ class EventWriter:
         self._ready = asyncio.Event()  # set while either queue holds a batch
         self._event_s = 0.0  # a bulk event's cost in the writer (insert and captures), a moving average
         self._task: asyncio.Task[None] | None = None
+        self._bulk_acks: set[asyncio.Task[None]] = set()  # bulk submitters waiting for the log's sync
         self.processors: list[Processor] = []
         self.listeners: list[Listener] = []
         self.committed = 0
@@ -151,11 +155,18 @@ class EventWriter:
         together with the events or not at all; for a `bulk` submitter (committed in slices, see above), together
         with its last events.
         """
+        return await asyncio.shield(await self.enqueue(events, also, bulk=bulk))
+
+    async def enqueue(self, events: list[Event], also: Processor | None = None, *,
+                      bulk: bool = False) -> asyncio.Future[list[Event]]:
+        """`submit` without the wait: the future of the commit that will hold the events (resolved after it, with the
+        events; or failed). For a caller with more to do meanwhile (a hook's context), without a task of its own."""
         if not bulk:
             self.live.arrived()
         # A folder the user keeps out of memory: its events are acknowledged and dropped (stored stays 0).
         roots = self.ignored.roots()
-        events = [event for event in events if not covers(roots, event.cwd)]
+        if roots:
+            events = [event for event in events if not covers(roots, event.cwd)]
         for event in events:
             if not event.project:
                 event.project = await project_of(event.cwd)
@@ -166,7 +177,7 @@ class EventWriter:
         except asyncio.QueueFull:
             self.losses.busy += len(events)
             raise Busy("the daemon is overloaded; spool the event and retry") from None
-        return await asyncio.shield(future)
+        return future
 
     async def submit_args(self, args: dict[str, Any], *, max_chars: int) -> list[Event]:
         """The `ingest` op, and the spool's replay of what the shim wrote: parse, then commit; acked after COMMIT."""
@@ -187,8 +198,7 @@ class EventWriter:
             if bulk is None and not self._bulk.empty():
                 bulk = self._bulk.get_nowait()
             if bulk is not None and await self._commit_slice(bulk):
-                self._bulk.task_done()
-                bulk = None
+                bulk = None  # its last slice committed (acknowledged after the log's sync) or failed
 
     async def _commit_live(self) -> None:
         batch = [self._queue.get_nowait()]
@@ -202,14 +212,8 @@ class EventWriter:
             await self._commit(batch)
         except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
             failed = await self._commit_apart(batch, exc)
-        for item in batch:
-            if not item.future.done():
-                if id(item) in failed:
-                    item.future.set_exception(failed[id(item)])
-                else:
-                    item.future.set_result(item.events)
-            self._queue.task_done()
-        self._notify([e for item in batch if id(item) not in failed for e in item.events])
+        await self._acknowledge(batch, failed, self._queue,
+                                [e for item in batch if id(item) not in failed for e in item.events])
 
     async def _commit_slice(self, item: Batch) -> bool:
         """Commit the next slice of a bulk batch; True when the batch is done (acknowledged or failed)."""
@@ -221,25 +225,56 @@ class EventWriter:
         began = time.perf_counter()
         try:
             try:
-                await self._commit([item], part, durable=last, final=last, urgent=False)
+                await self._commit([item], part, final=last, urgent=False)
             except ProcessorFailed as exc:
                 log.error("%d event(s) stored without their captures: a processor failed on them", len(part),
                           exc_info=exc.__cause__)
-                await self._commit([item], part, derive=False, durable=last, final=last, urgent=False)
+                await self._commit([item], part, derive=False, final=last, urgent=False)
         except Exception as exc:  # noqa: BLE001 - reported to this submitter only
             log.error("could not commit %d event(s); they were not acknowledged: %s", len(item.events) - start, exc)
             self.losses.record(len(item.events) - start, exc)
             if not item.future.done():
                 item.future.set_exception(exc)
+            self._bulk.task_done()
             return True
-        if not last:  # the last slice's time includes the wait for the disk, which is not the events' cost
-            spent = (time.perf_counter() - began) / max(1, len(part))
-            self._event_s = spent if not self._event_s else 0.7 * self._event_s + 0.3 * spent
+        spent = (time.perf_counter() - began) / max(1, len(part))
+        self._event_s = spent if not self._event_s else 0.7 * self._event_s + 0.3 * spent
         item.committed = end
-        self._notify(part)
-        if last and not item.future.done():
-            item.future.set_result(item.events)
+        if last:  # the log's sync after this slice covers the earlier ones too (the log is append-only)
+            # Waited for apart: the next live commit does not wait behind an import's fsync.
+            task = asyncio.create_task(self._acknowledge([item], {}, self._bulk, part))
+            self._bulk_acks.add(task)
+            task.add_done_callback(self._bulk_acks.discard)
+        else:
+            self._notify(part)
         return last
+
+    async def _acknowledge(self, batch: list[Batch], failed: dict[int, Exception], queue: asyncio.Queue[Batch],
+                           done: list[Event]) -> None:
+        """Resolve each submitter of a commit once an fsync of the log begun after it has ended (`WalSync`). The
+        writer waits for it before its next commit, as it waited for a FULL commit: what arrives meanwhile makes
+        the next batch (on 2 busy CPUs, committing during the fsync made smaller batches and cost more CPU an
+        event); but the writer is free for the workers' and the back-fill's statements meanwhile. (A bulk
+        submitter's wait runs apart: live commits go on meanwhile.)"""
+        unsynced: Exception | None = None
+        if len(failed) < len(batch):
+            try:
+                await self.store.wal.after_commit()
+            except StorageError as exc:
+                log.error("%d event(s) committed, but the log's sync failed; none of them was acknowledged: %s",
+                          len(done), exc)
+                unsynced = exc
+        for item in batch:
+            error = failed.get(id(item)) or unsynced
+            if unsynced is not None and error is unsynced:
+                self.losses.record(len(item.events), error)
+            if not item.future.done():
+                if error is not None:
+                    item.future.set_exception(error)
+                else:
+                    item.future.set_result(item.events)
+            queue.task_done()
+        self._notify(done)
 
     def _notify(self, done: list[Event]) -> None:
         for listener in self.listeners:
@@ -270,9 +305,10 @@ class EventWriter:
         return failed
 
     async def _commit(self, batch: list[Batch], events: list[Event] | None = None, *, derive: bool = True,
-                      durable: bool = True, final: bool = True, urgent: bool = True) -> None:
+                      final: bool = True, urgent: bool = True) -> None:
         """`events` (default: the batch's) in one transaction, with each submitter's `also` when `final`; `urgent`
-        (live submitters) before the workers' and the back-fill's waiting transactions.
+        (live submitters) before the workers' and the back-fill's waiting transactions. Committed without waiting
+        for the disk: the submitters are acknowledged after the log's sync (`_acknowledge`).
 
         BEGIN to COMMIT in one trip to the writer's thread (`Store.commit_on_thread`): the inserts, the processors
         and the `also`s. A trip per step (BEGIN, the inserts, each capture statement, COMMIT) waited each time for
@@ -283,7 +319,7 @@ class EventWriter:
         after = [(item.also, item.events) for item in batch if item.also is not None] if final else []
         body = functools.partial(write_events, events=events, now=time.time(),
                                  processors=self.processors if derive else [], after=after)
-        stored, _ = await self.store.commit_on_thread(body, durable=durable, urgent=urgent)
+        stored, _ = await self.store.commit_on_thread(body, durable=False, urgent=urgent)
         self.committed += len(stored)
         self.commits += 1
 

@@ -20,6 +20,7 @@ import aiosqlite
 from loomd.errors import ExtensionError, StorageError
 from loomd.store.migrations import MIGRATIONS
 from loomd.store.turns import Holds, WriteTurns
+from loomd.store.wal import WalSync
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ def migrate(conn: sqlite3.Connection, path: Path | str) -> int:
 
 # FULL: an acknowledged event must survive a power cut, not only a crash; group commit pays for it. In WAL mode a
 # FULL commit syncs the whole log: every transaction committed before it, however committed, is on disk after it.
+# (`Store.commit_on_thread` commits NORMAL and syncs the log after it, outside the writer's turn: `store.wal`.)
 SYNCHRONOUS = "FULL"
 
 
@@ -216,7 +218,7 @@ class Store:
         self.writer = writer
         self.reader = reader
         self._write_lock = WriteTurns()
-        self.durable_commits = 0  # commits synced to disk so far (`atomic`'s); see `commit_on_thread`
+        self.wal = WalSync(path)  # the log's fsyncs, shared by the commits that wait for the disk
 
     @classmethod
     async def open(cls, path: Path, *, busy_timeout_ms: int = 5000) -> Store:
@@ -237,6 +239,11 @@ class Store:
         return self._write_lock.holds
 
     @property
+    def durable_commits(self) -> int:
+        """Syncs of the log completed so far, by ticket: see `commit_on_thread`."""
+        return self.wal.done
+
+    @property
     def write_waiting(self) -> int:
         """Transactions waiting for their turn on the writer."""
         return self._write_lock.waiting
@@ -245,6 +252,7 @@ class Store:
         async with self._write_lock.hold():
             await self.reader.close()
             await self.writer.close()
+        await self.wal.close()  # the syncs owed to the last commits
 
     @asynccontextmanager
     async def atomic(self) -> AsyncIterator[aiosqlite.Connection]:
@@ -257,8 +265,9 @@ class Store:
                 # queues behind whatever statement is still running, so it always undoes the right thing.
                 await self.writer.execute("BEGIN IMMEDIATE")
                 yield self.writer
+                ticket = self.wal.begin()  # a FULL commit syncs the log: every commit before it is on disk after it
                 await self.writer.execute("COMMIT")
-                self.durable_commits += 1
+                self.wal.finished(ticket)
             except BaseException as exc:
                 # Nothing to roll back (BEGIN failed) or SQLite already did (a full disk, an I/O error): noise.
                 with contextlib.suppress(*DB_ERRORS):
@@ -275,16 +284,17 @@ class Store:
         (as `atomic`: a worker's run cancelled at shutdown keeps nothing of the transaction it had open; the
         statements run on to that point, as the connection's thread cannot be interrupted).
 
-        `durable=False` commits without waiting for the disk (synchronous NORMAL for this one transaction): a crash
-        of the process keeps it, a power cut may undo it until the next durable commit, any caller's, syncs the
-        log; for what a replay redoes (sync marking what the server holds), and a bulk ingest's slices but its last
-        (`EventWriter`). `urgent`: the transaction goes before the waiting ones that are not (a live hook's commit,
-        `WriteTurns`). Returns fn's result and `durable_commits` as of this commit: once that count has moved, the
-        transaction is on disk."""
+        The COMMIT does not wait for the disk (synchronous NORMAL): a crash of the process keeps it, a power cut may
+        undo it until the log is synced. `durable` (the default): then wait, with the writer passed on already, for
+        an fsync of the log begun after the COMMIT (`WalSync`, shared with the commits made meanwhile) — as durable
+        as a FULL commit, without holding the writer for the disk. `durable=False` returns at once: for what a
+        replay redoes (sync marking what the server holds), and a bulk ingest's slices but its last (`EventWriter`).
+        `urgent`: the transaction goes before the waiting ones that are not (a live hook's commit, `WriteTurns`).
+        Returns fn's result and a mark: once `durable_commits` has passed the mark, the transaction is on disk."""
         abandoned = threading.Event()
         async with self._write_lock.hold(urgent):
             try:
-                result = await on_thread(self.writer, functools.partial(_transaction, fn, durable, abandoned))
+                result = await on_thread(self.writer, functools.partial(_transaction, fn, abandoned))
             except asyncio.CancelledError:
                 abandoned.set()  # the thread rolls back instead of committing, unless it has committed already
                 raise
@@ -292,8 +302,10 @@ class Store:
                 if isinstance(exc, DB_BUGS):
                     raise
                 raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
-            self.durable_commits += durable
-            return result, self.durable_commits
+            mark = self.wal.started  # any sync begun after this one covers the commit
+        if durable:
+            mark = await self.wal.after_commit() - 1
+        return result, mark
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[aiosqlite.Connection]:
@@ -326,12 +338,10 @@ class Abandoned(Exception):
     """The caller of `Store.commit_on_thread` was cancelled before the COMMIT: the transaction is rolled back."""
 
 
-def _transaction(fn: Callable[[sqlite3.Connection], T], durable: bool, abandoned: threading.Event,
-                 conn: sqlite3.Connection) -> T:
+def _transaction(fn: Callable[[sqlite3.Connection], T], abandoned: threading.Event, conn: sqlite3.Connection) -> T:
     """`Store.commit_on_thread` on the writer's thread: runs to its end (COMMIT, or ROLLBACK if the caller was
     cancelled meanwhile), so the connection always leaves its transaction and gets its durable setting back."""
-    if not durable:
-        conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA synchronous = NORMAL")  # the log is synced after the COMMIT, outside the writer's turn
     try:
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -344,6 +354,5 @@ def _transaction(fn: Callable[[sqlite3.Connection], T], durable: bool, abandoned
                 conn.execute("ROLLBACK")
             raise
     finally:
-        if not durable:
-            conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
+        conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
     return result

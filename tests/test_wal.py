@@ -1,0 +1,46 @@
+"""The log's shared syncs: a durable commit returns after an fsync begun after it, and the writer is free meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+
+from loomd.store.db import Store
+
+
+def insert(value: str) -> object:
+    def body(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO wal_probe (key, value) VALUES (?, ?)", (value, value))
+    return body
+
+
+async def test_durable_commit_waits_for_the_logs_sync_without_holding_the_writer(store: Store) -> None:
+    await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
+    gate = threading.Event()
+    # The sync thread busy (a slow disk, say): the next fsync of the log cannot begin until the gate opens.
+    blocked = asyncio.get_running_loop().run_in_executor(store.wal._pool, gate.wait)  # noqa: SLF001 - its thread
+    durable = asyncio.create_task(store.commit_on_thread(insert("durable")))
+    for _ in range(1000):
+        if store.wal._waiting:  # noqa: SLF001 - committed, waiting for its sync
+            break
+        await asyncio.sleep(0.005)
+    assert not durable.done()
+    _, mark = await asyncio.wait_for(store.commit_on_thread(insert("meanwhile"), durable=False), 30)
+    assert not durable.done()  # the writer was free for another transaction while the first waited for the disk
+    assert store.durable_commits <= mark  # the second is not on disk yet: no sync has begun since it
+    gate.set()
+    await blocked
+    await asyncio.wait_for(durable, 30)
+    await store.commit_on_thread(insert("after"))  # its sync began after the second commit: that one is on disk now
+    assert store.durable_commits > mark and store.wal.syncs >= 2
+    rows = await store.fetchall("SELECT key FROM wal_probe ORDER BY key")
+    assert [r[0] for r in rows] == ["after", "durable", "meanwhile"]
+
+
+async def test_a_full_commit_counts_as_a_sync_of_every_commit_before_it(store: Store) -> None:
+    await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
+    _, mark = await store.commit_on_thread(insert("quick"), durable=False)
+    async with store.atomic() as db:  # synchronous FULL: its COMMIT syncs the log
+        await db.execute("INSERT INTO wal_probe (key, value) VALUES ('full', 'full')")
+    assert store.durable_commits > mark
