@@ -686,6 +686,34 @@ async def test_asked_how_to_run_the_tests_the_run_that_worked_answers(client: As
                                 "PYTHONPATH=src python3 -m pytest tests/")
 
 
+async def test_asked_anything_but_how_to_run_a_note_that_a_run_passed_ranks_below_what_was_found(
+        client: AsyncClient) -> None:
+    """"Is the monitoring test suite reliable?": the observer's note that `go test ./internal/monitoring` passed is
+    short and holds the question's words; what the session found about the suite is the answer. The note keeps a
+    share of its score (`passed_runs`); asked how to run the suite, it does not."""
+    project = await _session(client, "passed-1", [
+        {"hook_event_name": "UserPromptSubmit", "prompt": "check the monitoring package"},
+        _bash("go test -v ./internal/monitoring", "\n".join(
+            f"=== RUN   TestHandler{i}\n--- PASS: TestHandler{i} (0.0{i}s)" for i in range(40))
+            + "\nok  \tgithub.com/acme/app/internal/monitoring\t0.41s", "Run the monitoring test suite"),
+        _said("Interesting: the monitoring tests pass when run one at a time but fail within the whole run, so they "
+              "are flaky; a race on the shared metrics registry."),
+    ])
+    query = "Is the monitoring package's test suite reliable?"
+    flaky = "so they are flaky"
+
+    async def first(tuning: dict[str, float]) -> str:
+        results = (await client.call("search", query=query, mode="keyword", project=project, limit=3,
+                                     tuning={"ctx_weight": 0, **tuning}))["results"]
+        return str(results[0]["text"])
+
+    assert flaky in await first({})
+    assert (await first({"passed_runs": 0})).startswith("Tests pass:")  # by its words the note wins
+    asked_to_run = (await client.call("search", query="How do I run the monitoring package's test suite?",
+                                      mode="keyword", project=project, limit=3))["results"]
+    assert asked_to_run[0]["text"].startswith("Tests pass:"), [r["text"][:80] for r in asked_to_run]
+
+
 async def test_asked_what_the_fix_was_the_edit_made_after_answers(client: AsyncClient) -> None:
     """"… could not be installed. What was the fix?": the failure and the report of it hold the question's words;
     the change made right after them is the answer."""

@@ -91,6 +91,11 @@ UNVOICED = 0.4
 # alike).
 WORKED_WEIGHT = 1.0
 WORKED_HITS = 60
+# Asked anything else, the observer's note that a run passed ("Tests pass: `go test ./internal/monitoring`", "Works:
+# `go build ./...`") loses this share of its fused score: it names the command and what it touched, so its few words
+# are the question's subject, but all it says is that a command ran fine (coding QA dev set:
+# all@5 .85 -> .86, templar-ci-09 8 -> 5, venus-04 4 -> 3; 0.5 to 0.9 alike, 0.3 8 -> 6).
+PASSED_RUNS = 0.5
 # Asked what fixed something (`FIX_ASKED`), the edits made first after the best hits rank as a signal (coding QA dev
 # set: all@1 .39 -> .43, all@5 .80 -> .81, recall .61 -> .62; weight 1.5 alike).
 FIX_WEIGHT = 1.0
@@ -115,6 +120,7 @@ TUNING: dict[str, tuple[type, Any, float, float]] = {
     "voice": (float, VOICE_WEIGHT, 0.0, 10.0),  # weight of the user's words around the hits when asked what they wanted
     "unvoiced": (float, UNVOICED, 0.0, 1.0),  # ... and the share of its score a hit not in those words loses then
     "worked": (float, WORKED_WEIGHT, 0.0, 10.0),  # weight of the runs that worked when asked how to run something
+    "passed_runs": (float, PASSED_RUNS, 0.0, 1.0),  # ... and the share of its score such a note loses when not
     "fix": (float, FIX_WEIGHT, 0.0, 10.0),  # weight of the edits made after the hits when asked what fixed something
 }
 
@@ -566,6 +572,17 @@ async def search_hits(
             lifted = {i: views_lifted(query, by_id[i]["meta"], knobs) for i in asides}
             share = {i: prior + (1 - prior) * lift for i, lift in lifted.items()}
             looked = sorted(((i, score * share[i] if i in asides else score, parts) for i, score, parts in looked),
+                            key=lambda f: (-f[1], f[0]))
+    if knobs["passed_runs"] > 0 and not RUN_ASKED.search(query):
+        # Not asked how to run something: a note that a run passed says little more than the question's words.
+        def passed(row: Any) -> bool:
+            return bool(row["kind"] == "observation" and _a_run_that_worked(row["kind"], row["meta"]))
+
+        # As with the asides: a note in the first `slots` drops, so the rows past them are read to rise or drop too.
+        if any(passed(row) for row in by_id.values()):
+            by_id.update(await _rows(ctx.store, [f[0] for f in looked if f[0] not in by_id]))
+            noted, keep = {i for i, row in by_id.items() if passed(row)}, 1 - knobs["passed_runs"]
+            looked = sorted(((i, score * keep if i in noted else score, parts) for i, score, parts in looked),
                             key=lambda f: (-f[1], f[0]))
     candidates = looked[:slots]
     sources = await _sources(ctx.store, [f[0] for f in candidates])
