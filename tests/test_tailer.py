@@ -473,7 +473,8 @@ async def test_an_ended_sessions_transcripts_are_let_go_once_read(client: AsyncC
     for sid, path in (("end-1", made), ("end-2", never)):
         await hook(client, sid, transcript_path=str(path))
     await wait_until(caught_up(daemon, made), "the made transcript read")
-    assert follower(daemon, never) is not None
+    # The hooks name both files; the tailer takes up each request on its own loop, not before the hook's ack.
+    await wait_until(lambda: follower(daemon, never) is not None, "the never-made transcript waited for")
     await hook(client, "end-1", "UserPromptSubmit", transcript_path=str(made), prompt="one more thing")
     await passes(daemon, 2)
     assert follower(daemon, made) is not None  # a live session's file stays followed however quiet
