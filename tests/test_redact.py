@@ -624,6 +624,7 @@ def test_gitlab_literal_first_finds_what_the_look_behind_first_form_finds() -> N
 def test_long_results_are_remembered_under_a_digest_and_never_the_input() -> None:
     """A long string seen again (a file read twice, a tool result an import meets in every copy of a session) is not
     redacted again: the same result comes back; the cache keeps only results, keyed by a digest of the input."""
+    redact.forget_long()  # what other tests left there (a bare token, found clean, may be among it) is not this one's
     secret = f"AWS_SECRET_ACCESS_KEY={GENERIC}"
     text = "output line of a build\n" * 40 + secret + "\n" + "more output\n" * 20
     assert len(text) > redact.SHORT_TEXT
@@ -631,7 +632,7 @@ def test_long_results_are_remembered_under_a_digest_and_never_the_input() -> Non
     second = redact_text(text)
     assert second is first and GENERIC not in first
     assert redact_text(text + " ") is not first  # another input: redacted on its own
-    # Keyed by digests, holding redacted results: the secret is nowhere in the cache. (The short strings' cache is
-    # another matter: it keeps strings found clean, and a bare token another test redacted without its name is one.)
+    # Keyed by digests, holding redacted results: the secret is nowhere in the cache. (The short strings' cache keeps
+    # strings found clean, and a bare token another test redacted without its name is one: not looked at here.)
     assert all(isinstance(key, bytes) and len(key) == 16 for key in redact._long_done)
     assert not any(GENERIC in result for result in redact._long_done.values())
