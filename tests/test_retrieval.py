@@ -82,6 +82,22 @@ async def test_a_lone_letter_of_the_question_is_no_term(client: AsyncClient) -> 
     assert ids_of(keyword)[0] == ids[0], keyword
 
 
+async def test_turns_that_share_only_their_dates_numbers_are_not_repeats(client: AsyncClient) -> None:
+    """A short turn said in the same minute as a longer one shares its date and time ("(4:05 pm on 13 March, 2024)")
+    and a name; what it says of its own is two words. Numbers in common do not make two texts say the same: the
+    short turn keeps its slot instead of collapsing into the longer one shown above it."""
+    head = "(4:05 pm on 13 March, 2024)"
+    ids = await store_all(client, [
+        f"{head} Priya: Thanks, Tomas! These boots are for hiking. Been hiking longer since spring - a great way"
+        " to clear my head and see the hills.",
+        f"{head} Tomas: Wow! What got you into hiking?",
+        "The staging deploy uses rsync over ssh.",
+    ])
+    await caught_up(client)
+    found = ids_of(await search(client, "What is Priya's reason for getting into hiking?"))
+    assert ids[0] in found and ids[1] in found, found
+
+
 async def test_neighbour_column_finds_the_answer_to_a_question(client: AsyncClient) -> None:
     """'Yes, last week!' is found through the question before it (the FTS context column), not without it."""
     texts = ["Melanie: Did you finally go to the pottery class?", "Caroline: Yes, last week! I loved it.",
