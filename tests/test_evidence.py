@@ -17,7 +17,7 @@ from loomd.client import AsyncClient
 from loomd.context.render import recall_room
 from loomd.daemon import Daemon
 from loomd.search.fusion import query_terms
-from loomd.search.retrieval import dense_wins, held_terms
+from loomd.search.retrieval import Stemmer, dense_wins, held_terms
 from loomd.search.windows import GAP, LEAD_CHARS, WINDOW_CHARS, best_windows, merge_passages
 from loomd.workers.evidence import MAX_ITEM_CHARS, PASSAGE_CHARS, evidence_of, head_and_tail, passages
 from loomd.workers.steps import NO_RESULT, Step
@@ -213,6 +213,20 @@ def test_a_window_shows_the_sentence_of_a_paragraph_that_answers() -> None:
     shown = best_windows("Assistant:", lines, lambda line: {t for t in ("recommendation", "Pascal", "execute")
                                                             if t in line}, 360)
     assert answer in shown and "Option 0 " not in shown and len(shown) <= 360, shown
+
+
+def test_words_stemmed_together_are_stemmed_as_one_by_one() -> None:
+    """The stemmer takes a batch of new words in one round (`Stemmer.many`): each word still gets exactly its own
+    index terms, whatever the others are (a word of several tokens, a word of none, repeats, a cached one)."""
+    words = ["running", "foo_bar", "don't", "naïve", "__init__", "x2", "_", "'", "running", "Ações", "v1.2", "ran"]
+    alone = Stemmer()
+    expected = {w: alone(w) for w in words}
+    assert expected["foo_bar"] == ("foo", "bar") and expected["_"] == () and expected["running"] == ("run",)
+    together = Stemmer()
+    together("ran")  # cached before the batch
+    assert together.many(words) == expected
+    assert list(together.many(reversed(words))) == list(dict.fromkeys(reversed(words)))  # in the order given
+    assert held_terms("running foo_bar", "the foo bar runs") == frozenset({"running", "foo_bar"})
 
 
 def test_a_commands_window_always_shows_its_outcome() -> None:

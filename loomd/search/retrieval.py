@@ -20,7 +20,7 @@ import bisect
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -210,14 +210,25 @@ class Stemmer:
 
     def __call__(self, term: str) -> tuple[str, ...]:
         found = self._cache.get(term)
-        if found is None:
-            self._db.execute("INSERT INTO t (rowid, x) VALUES (1, ?)", (term,))
-            found = tuple(r[0] for r in self._db.execute("SELECT term FROM v ORDER BY offset"))
+        return found if found is not None else self.many((term,))[term]
+
+    def many(self, terms: Iterable[str]) -> dict[str, tuple[str, ...]]:
+        """Each term's index terms, in the order given. The ones not cached go through the tokenizer together, a row
+        each, in one round of statements: one by one, a hit's new words cost ~75 µs each (a prompt's recall on the
+        hook path spent 11 ms on 150 words not seen yet)."""
+        found = {term: self._cache.get(term) for term in terms}
+        missing = [term for term, stems in found.items() if stems is None]
+        if missing:
+            self._db.executemany("INSERT INTO t (rowid, x) VALUES (?, ?)", enumerate(missing, 1))
+            tokens: dict[int, list[str]] = {}
+            for doc, token in self._db.execute("SELECT doc, term FROM v ORDER BY doc, offset"):
+                tokens.setdefault(doc, []).append(token)
             self._db.execute("DELETE FROM t")
-            if len(self._cache) > 50_000:
+            if len(self._cache) + len(missing) > 50_000:
                 self._cache.clear()
-            self._cache[term] = found
-        return found
+            for n, term in enumerate(missing, 1):
+                found[term] = self._cache[term] = tuple(tokens.get(n, ()))
+        return {term: stems or () for term, stems in found.items()}
 
 
 _stem: Stemmer | None = None
@@ -234,10 +245,10 @@ def held_terms(query: str | Sequence[str], text: str) -> frozenset[str]:
     terms = query_terms(query) if isinstance(query, str) else query
     if not terms:
         return frozenset()
-    stem = stemmer()
-    # Word by word through the stemmer's cache: a memory's words are mostly known already.
-    held = {t for word in set(query_terms(text, frozenset(), limit=None)) for t in stem(word)}
-    return frozenset(term for term in terms if set(stem(term)) <= held)
+    words = set(query_terms(text, frozenset(), limit=None))
+    stems = stemmer().many(words.union(terms))  # mostly cached: a memory's words are mostly known already
+    held = {t for word in words for t in stems[word]}
+    return frozenset(term for term in terms if set(stems[term]) <= held)
 
 
 def covered_terms(query: str, text: str) -> tuple[int, int]:
@@ -258,8 +269,7 @@ async def prune_terms(store: Store, terms: list[str], budget: int, indexed: int)
     `indexed`, the memories in the index, bounds the matches: at or under the budget there is nothing to prune."""
     if indexed <= budget:
         return terms
-    stem = stemmer()
-    tokens = {term: stem(term) for term in terms}
+    tokens = stemmer().many(terms)
     now = time.monotonic()
     docs: dict[str, int] = {}
     wanted = []
