@@ -585,13 +585,10 @@ async def search_hits(
                             key=lambda f: (-f[1], f[0]))
     if knobs["passed_runs"] > 0 and not RUN_ASKED.search(query):
         # Not asked how to run something: a note that a run passed says little more than the question's words.
-        def passed(row: Any) -> bool:
-            return bool(row["kind"] == "observation" and _a_run_that_worked(row["kind"], row["meta"]))
-
         # As with the asides: a note in the first `slots` drops, so the rows past them are read to rise or drop too.
-        if any(passed(row) for row in by_id.values()):
+        if any(_a_passed_note(row) for row in by_id.values()):
             by_id.update(await _rows(ctx.store, [f[0] for f in looked if f[0] not in by_id]))
-            noted, keep = {i for i, row in by_id.items() if passed(row)}, 1 - knobs["passed_runs"]
+            noted, keep = {i for i, row in by_id.items() if _a_passed_note(row)}, 1 - knobs["passed_runs"]
             looked = sorted(((i, score * keep if i in noted else score, parts) for i, score, parts in looked),
                             key=lambda f: (-f[1], f[0]))
     candidates = looked[:slots]
@@ -680,6 +677,11 @@ def views_lifted(query: str, meta: str | None, knobs: Mapping[str, Any]) -> floa
     return lift
 
 
+def _a_passed_note(row: Mapping[str, Any]) -> bool:
+    """Is this the observer's note that a run passed ("Tests pass: …", "Works: …"), not a procedure?"""
+    return bool(row["kind"] == "observation" and _a_run_that_worked(row["kind"], row["meta"]))
+
+
 def marked_aside(kind: str, meta: str | None) -> bool:
     """Is this memory a passage of a step that says nothing of its own (`workers/evidence.is_aside`)?"""
     if kind != "evidence" or not meta or '"aside"' not in meta:
@@ -750,7 +752,7 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
             hit.memory["text"] = _with_source_lines(own, shows, steps, holds, room)
         words = text_terms(hit.memory["text"])
         # An observation repeats a hit shown above it by what it says itself, not by the lines of its step it shows.
-        says = text_terms(own) if own is not hit.memory["text"] else words
+        says = _wordy(text_terms(own) if own is not hit.memory["text"] else words)
         twin = next((h for h, w in shown if _repeats(says, w, repeated)), None)
         folded = [memory_id, *hit.memory.get("collapsed", [])] if twin is not None else hit.memory.get("collapsed", [])
         cited.update(e for i in (memory_id, *folded) for e in sources.get(i, ()))
@@ -868,12 +870,16 @@ def _with_source_lines(text: str, events: Sequence[int], steps: Mapping[tuple[in
 
 
 def _repeats(mine: frozenset[str], shown: frozenset[str], share: float = REPEATED) -> bool:
-    """A hit whose words are nearly all in one shown before it (the same block, a shorter window of it) shows
-    nothing new. Numbers do not count: texts of one moment share its date and time ("4:33 pm on 12 July, 2023"), and
-    a short turn of a dialog said then was its neighbour's repeat by them (LoCoMo conversations 0-4: c1-4 R@10
-    .785 -> .786, coding QA unchanged)."""
-    mine = frozenset(t for t in mine if not t.isdigit())
+    """A hit whose words (`_wordy`) are nearly all in one shown before it (the same block, a shorter window of it)
+    shows nothing new."""
     return len(mine) >= REPEAT_MIN_TERMS and len(mine & shown) >= share * len(mine)
+
+
+def _wordy(terms: frozenset[str]) -> frozenset[str]:
+    """The terms a repeat is judged by: numbers do not count. Texts of one moment share its date and time ("4:33 pm
+    on 12 July, 2023"), and a short turn of a dialog said then was its neighbour's repeat by them (LoCoMo
+    conversations 0-4: c1-4 R@10 .785 -> .786, coding QA unchanged)."""
+    return frozenset(term for term in terms if not term.isdigit())
 
 
 def _near(a: frozenset[str], b: frozenset[str]) -> bool:
