@@ -22,7 +22,11 @@ its constant size once the retention chain has run through once (events live `ev
 `observe_idle_s`, their memories archived and then deleted `archived_ttl_days` later, each step on a worker
 interval): `..._settled` skips that long too (`settle_s`, 160 s with the settings above) and is the number to judge
 a fixed size by. `anon_mb` is the daemon's anonymous RSS (heaps: Python's, SQLite's, malloc's arenas), `file_mb` its
-mapped files.
+mapped files. `settled` splits the settled span into thirds: each third's max and the last third's slope tell a
+high-water mark (what fills up to a bound: a cache, an arena; the last third no higher than the middle one, its
+slope ~0) from growth (both keep rising). `events_held` splits what the store holds into what the observer has not
+passed yet (`unobserved`: GC may not purge it, whatever its age; it stays small while the observer keeps up) and
+the rest (`observed`: what the retention holds constant).
 
     python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25] [--socket PATH] [--fixed-size]
 """
@@ -209,6 +213,9 @@ async def sampler(pid: int | None, sock: Path, stop: asyncio.Event, every: float
                     pages, free, size = (live.execute(f"PRAGMA {p}").fetchone()[0]
                                          for p in ("page_count", "freelist_count", "page_size"))
                     row["live_mb"] = round((pages - free) * size / 2**20, 2)
+                    # Events the observer has not passed yet: GC may not purge them, whatever their age. A
+                    # retention holds the rest constant; this part is the observer's lag.
+                    row["unobserved"] = live.execute(UNOBSERVED).fetchone()[0]
             child = (status.get("offload") or {}).get("pid")
             if pid is not None and child:
                 with contextlib.suppress(OSError, KeyError):
@@ -294,15 +301,17 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
                          "growth_after_warmup": round(series[-1]["rss_mb"] - steady[0]["rss_mb"], 1),
                          "slope_mb_per_min_second_half": round(slope(half, "rss_mb") * 60, 2),
                          "slope_mb_per_min_after_warmup": round(slope(steady, "rss_mb") * 60, 2),
-                         "slope_mb_per_min_settled": round(slope(settled, "rss_mb") * 60, 2)}
+                         "slope_mb_per_min_settled": round(slope(settled, "rss_mb") * 60, 2),
+                         "settled": thirds(settled, "rss_mb")}
         for key in ("anon_mb", "file_mb"):
             out[key] = {"after_warmup": steady[0][key], "end": series[-1][key], "max": max(r[key] for r in series),
-                        "slope_mb_per_min_settled": round(slope(settled, key) * 60, 2)}
+                        "slope_mb_per_min_settled": round(slope(settled, key) * 60, 2), "settled": thirds(settled, key)}
         if all("total_rss_mb" in r for r in series):
             out["total_rss_mb"] = {"after_warmup": steady[0]["total_rss_mb"], "end": series[-1]["total_rss_mb"],
                                    "max": max(r["total_rss_mb"] for r in series),
                                    "slope_mb_per_min_after_warmup": round(slope(steady, "total_rss_mb") * 60, 2),
-                                   "slope_mb_per_min_settled": round(slope(settled, "total_rss_mb") * 60, 2)}
+                                   "slope_mb_per_min_settled": round(slope(settled, "total_rss_mb") * 60, 2),
+                                   "settled": thirds(settled, "total_rss_mb")}
         out["db_mb"] = {"after_warmup": steady[0]["db_mb"], "end": series[-1]["db_mb"],
                         "slope_mb_per_min_after_warmup": round(slope(steady, "db_mb") * 60, 3),
                         "slope_mb_per_min_settled": round(slope(settled, "db_mb") * 60, 3)}
@@ -317,7 +326,21 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
                                      "slope_mb_per_min_after_warmup": round(slope(steady, "offload_rss_mb") * 60, 2),
                                      "slope_mb_per_min_settled": round(slope(settled, "offload_rss_mb") * 60, 2)}
         out["events_held"] = {"after_warmup": steady[0]["events"], "settled": settled[0]["events"],
-                              "end": series[-1]["events"], "max": max(r["events"] for r in settled)}
+                              "end": series[-1]["events"], "max": max(r["events"] for r in settled),
+                              "slope_per_min_settled": round(slope(settled, "events") * 60, 1),
+                              "settled_thirds": thirds(settled, "events")}
+        if all("unobserved" in r for r in settled):
+            # Held = unobserved (the observer's backlog) + observed and not yet past `event_ttl_days`: under a
+            # fixed size the second part is what GC holds constant, the first what the observer keeps small.
+            for r in settled:
+                r["observed_held"] = r["events"] - r["unobserved"]
+            out["events_held"]["unobserved"] = {"settled": settled[0]["unobserved"], "end": series[-1]["unobserved"],
+                                                "max": max(r["unobserved"] for r in settled),
+                                                "slope_per_min_settled": round(slope(settled, "unobserved") * 60, 1)}
+            out["events_held"]["observed"] = {"settled": settled[0]["observed_held"],
+                                              "end": settled[-1]["observed_held"],
+                                              "max": max(r["observed_held"] for r in settled),
+                                              "slope_per_min_settled": round(slope(settled, "observed_held") * 60, 1)}
         out["fds"] = {"start": series[0]["fds"], "after_warmup": steady[0]["fds"], "end": series[-1]["fds"],
                       "max": max(r["fds"] for r in series)}
         out["threads"] = {"start": series[0]["threads"], "end": series[-1]["threads"],
@@ -326,6 +349,24 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
         out["daemon_cpu_s"] = round(cpu_seconds(pid) - cpu0, 1)
     out["series"] = series
     return out
+
+
+UNOBSERVED = ("SELECT count(*) FROM events e LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
+              " WHERE e.id > coalesce(CAST(c.value AS INTEGER), 0)")
+
+
+def thirds(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """`key` over the first, middle and last third of `rows` (by time): each third's max and the slope of the last
+    third. What only fills up to a bound (a cache, an arena's high-water mark, a table reaching its retention) stops
+    rising: the last third's max is no higher than the middle third's and its slope is ~0. Growth keeps both up."""
+    if len(rows) < 6:
+        return {}
+    t0, t1 = rows[0]["t"], rows[-1]["t"]
+    cut = [t0 + (t1 - t0) * i / 3 for i in (1, 2)]
+    parts = [[r for r in rows if r["t"] < cut[0]], [r for r in rows if cut[0] <= r["t"] < cut[1]],
+             [r for r in rows if r["t"] >= cut[1]]]
+    return {"max_by_third": [max(r[key] for r in part) for part in parts],
+            "slope_per_min_last_third": round(slope(parts[2], key) * 60, 2)}
 
 
 def slope(rows: list[dict[str, Any]], key: str) -> float:

@@ -211,6 +211,33 @@ async def test_one_session_that_fails_never_stalls_the_others(monkeypatch, home)
         assert any("Never deploy on Fridays" in m["text"] for m in await memories(client, session_id="aa-bad"))
 
 
+async def test_the_next_chunk_is_read_and_distilled_while_one_is_written(monkeypatch, home) -> None:
+    """A run's text work (the offload process) and its writes (the writer's thread) overlap: the second chunk goes
+    to the offload process while the first one's slow observation inserts still run, before its watermark moves.
+    The result is the sequential one: every chunk written, in order, the watermark on the last event."""
+    async with loomd(monkeypatch, home) as (d, client):
+        events = []
+        for i in range(CHUNK_EVENTS):  # two chunks: a full one and a short one
+            events.append(user("long", f"Step {i}: never touch module number {i}, it is generated.", 1_700_000_000 + i))
+        events.append(user("long", "Last step: always run the linter before committing.", 1_700_000_100))
+        ids = await ingest(client, events)
+        async with d.store.atomic() as db:
+            await db.execute(SLOW_TRIGGER)
+        assert d.offload is not None
+        calls = d.offload.calls
+        run = asyncio.ensure_future(client.call("workers_run", name="observer", session_id="long", final=True))
+        while d.offload.calls < calls + 2:  # the first chunk's text work, then the second's
+            assert not run.done(), await run
+            await asyncio.sleep(0.001)
+        # The first chunk is being written (its observations one slow insert each): nothing of it is committed.
+        assert await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:long'") is None
+        done = await run
+        assert done["outcome"] == "ok" and done["items_in"] == CHUNK_EVENTS + 1, done
+        assert int(await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:long'")) == ids[-1]
+        texts = " ".join(m["text"] for m in await memories(client, kind="observation"))
+        assert "module number 3" in texts and "always run the linter" in texts
+
+
 # Any JSON a hook or a transcript line may carry, with the strings the rules look for among it.
 _SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
             | st.sampled_from(["User has approved your plan\n# Plan: ship", "[main abc1234] Subject", "pytest -q",

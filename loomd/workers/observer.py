@@ -7,11 +7,13 @@ observed and moves only in the transaction that commits that chunk's observation
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import aiosqlite
@@ -185,21 +187,52 @@ class Observer:
         return due
 
     async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
+        """The due sessions' chunks, written in order, each chunk's reads and text work done while the one before it
+        is written (`Ahead`): the text work runs in the offload process and the writes on the writer's thread, so
+        a run takes about the longer of the two, not their sum. What is written, and in which order, is the same."""
         sessions = [req.session_id] if req.session_id else await self.due_sessions(ctx, req.keys)
-        model = self._model(ctx, report)
-        for session_id in sessions:
-            try:
-                await self.observe_session(ctx, session_id, req, report, model)
-            except WatermarkMoved:
-                raise
-            except Exception as exc:  # noqa: BLE001 - one session's bad event must not stall every other session
-                if req.session_id:
-                    raise  # the one session asked for: its run fails loudly
-                # Its watermark stays, so a fixed daemon observes it later; the traceback once per daemon run.
-                log.error("observer: session %s skipped: %s: %s", session_id, type(exc).__name__, exc,
-                          exc_info=session_id not in self.failed)
-                self.failed.add(session_id)
-                report.note("sessions_failed", f"{session_id}: {type(exc).__name__}: {exc}"[:300])
+        ahead = Ahead(self, ctx, req, report, self._model(ctx, report), sessions)
+        upcoming = asyncio.ensure_future(ahead.next())
+        wrote = 0  # observations the session written now wrote new
+        try:
+            chunk = await upcoming
+            while chunk is not None:
+                upcoming = asyncio.ensure_future(ahead.next())
+                try:
+                    wrote += await self._commit(ctx, chunk, req)
+                except WatermarkMoved:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - as in `Ahead.next`: the session is skipped, the run goes on
+                    following = await upcoming
+                    if following is not None and following.session_id == chunk.session_id:
+                        await ahead.drop(chunk.session_id)  # it was read ahead of a chunk that is not written
+                        following = await ahead.next()
+                    self._skip(chunk.session_id, exc, req, report)
+                    chunk, wrote = following, 0
+                    continue
+                following = await upcoming
+                if following is None or following.session_id != chunk.session_id:
+                    if wrote and not req.dry_run:
+                        ctx.wake("reflector", chunk.project)  # the session is done and its observations committed
+                    wrote = 0
+                chunk = following
+        finally:
+            if not upcoming.done():
+                upcoming.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await upcoming
+            await ahead.close()
+
+    def _skip(self, session_id: str, exc: Exception, req: RunRequest, report: RunReport) -> None:
+        """One session's failure: raised when it is the one session asked for, else logged and noted, and the run
+        goes on (one session's bad event must not stall every other session)."""
+        if req.session_id:
+            raise exc
+        # Its watermark stays, so a fixed daemon observes it later; the traceback once per daemon run.
+        log.error("observer: session %s skipped: %s: %s", session_id, type(exc).__name__, exc,
+                  exc_info=(type(exc), exc, exc.__traceback__) if session_id not in self.failed else None)
+        self.failed.add(session_id)
+        report.note("sessions_failed", f"{session_id}: {type(exc).__name__}: {exc}"[:300])
 
     def _model(self, ctx: WorkerContext, report: RunReport) -> ModelDistiller | None:
         cfg = ctx.config()
@@ -237,21 +270,22 @@ class Observer:
             context.extend(SourceEvent.from_row(r) for r in rows if r["id"] not in have)
         return sorted(context, key=lambda e: e.id)
 
-    async def observe_session(self, ctx: WorkerContext, session_id: str, req: RunRequest, report: RunReport,
-                              model: ModelDistiller | None) -> None:
+    async def chunks(self, ctx: WorkerContext, session_id: str, req: RunRequest, report: RunReport,
+                     model: ModelDistiller | None) -> AsyncIterator[Chunk]:
+        """The session's unobserved events, chunk after chunk, each read and distilled (nothing written): the
+        watermark each one is read from is the one the chunk before it moves to once written."""
         session = await ctx.store.fetchone("SELECT project, agent FROM sessions WHERE id = ?", (session_id,))
         if session is None:
             return
         project, agent = session["project"], session["agent"]
         final = await self._final(ctx, session_id, req)
         watermark = await get_int_checkpoint(ctx.store.reader, watermark_name(session_id))
-        wrote = 0
         while True:
             rows = await ctx.store.fetchall(
                 f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?",
                 (session_id, watermark, CHUNK_EVENTS))
             if not rows:
-                break
+                return
             events = [SourceEvent.from_row(r) for r in rows]
             last_chunk = len(rows) < CHUNK_EVENTS
             # A session's first line may carry no cwd (a transcript `summary`): its events know the project better.
@@ -270,21 +304,66 @@ class Observer:
             else:  # the CPU-heavy part, in the offload process; if it dies, this chunk waits for the next run
                 kept, evidence, mentions = await ctx.offload.call("work", distil, events, context,
                                                                   final and last_chunk, observations)
-            chunk = Chunk(session_id, project, agent, origin, watermark, events[-1].id, kept, evidence, mentions,
-                          derive=not req.dry_run, report=report, events=len(events))
-            *passage_parts, written = await self._write(ctx, chunk, req.dry_run)
-            passages = [memory_id for part in passage_parts for memory_id in new_ids(part)]
-            fresh = new_ids(written)
-            for obs, (memory_id, is_new) in zip(kept, written, strict=True):
-                report.wrote("observation" if is_new else "observation_seen_again", id=memory_id,
-                             session_id=session_id, type=obs.type, text=obs.text, sources=obs.sources)
-            report.detail["evidence"] = report.detail.get("evidence", 0) + len(passages)
-            report.items_in += len(events)
-            report.note("sessions", session_id)
-            wrote += len(fresh)
+            yield Chunk(session_id, project, agent, origin, watermark, events[-1].id, kept, evidence, mentions,
+                        derive=not req.dry_run, report=report, events=len(events))
             watermark = events[-1].id
             if last_chunk:
-                break
-        if wrote and not req.dry_run:
-            ctx.wake("reflector", project)
+                return
 
+    async def _commit(self, ctx: WorkerContext, chunk: Chunk, req: RunRequest) -> int:
+        """Write one chunk and report it; the observations it wrote new."""
+        report = chunk.report
+        *passage_parts, written = await self._write(ctx, chunk, req.dry_run)
+        passages = [memory_id for part in passage_parts for memory_id in new_ids(part)]
+        for obs, (memory_id, is_new) in zip(chunk.observations, written, strict=True):
+            report.wrote("observation" if is_new else "observation_seen_again", id=memory_id,
+                         session_id=chunk.session_id, type=obs.type, text=obs.text, sources=obs.sources)
+        report.detail["evidence"] = report.detail.get("evidence", 0) + len(passages)
+        report.items_in += chunk.events
+        report.note("sessions", chunk.session_id)
+        return len(new_ids(written))
+
+
+class Ahead:
+    """A run's chunks in order, session after session (`Observer.chunks`), read and distilled one ahead of the
+    writes. A session whose reads or text work fail is skipped (`Observer._skip`), as is the rest of one whose
+    chunk failed to write (`drop`)."""
+
+    def __init__(self, observer: Observer, ctx: WorkerContext, req: RunRequest, report: RunReport,
+                 model: ModelDistiller | None, sessions: list[str]) -> None:
+        self.observer, self.ctx, self.req, self.report, self.model = observer, ctx, req, report, model
+        self.sessions = iter(sessions)
+        self.current: tuple[str, AsyncIterator[Chunk]] | None = None
+
+    async def next(self) -> Chunk | None:
+        while True:
+            if self.current is None:
+                session_id = next(self.sessions, None)
+                if session_id is None:
+                    return None
+                self.current = (session_id, self.observer.chunks(self.ctx, session_id, self.req, self.report,
+                                                                 self.model))
+            session_id, chunks = self.current
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                self.current = None
+                continue
+            except WatermarkMoved:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one session's bad event must not stall every other session
+                self.current = None
+                self.observer._skip(session_id, exc, self.req, self.report)
+                continue
+            return chunk
+
+    async def drop(self, session_id: str) -> None:
+        """The rest of this session is not read on."""
+        if self.current is not None and self.current[0] == session_id:
+            await self.close()
+
+    async def close(self) -> None:
+        if self.current is not None:
+            _, chunks = self.current
+            self.current = None
+            await chunks.aclose()  # type: ignore[attr-defined]
