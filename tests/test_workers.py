@@ -238,6 +238,33 @@ async def test_the_next_chunk_is_read_and_distilled_while_one_is_written(monkeyp
         assert "module number 3" in texts and "always run the linter" in texts
 
 
+async def test_a_chunk_that_fails_mid_session_drops_what_was_read_ahead_of_it(monkeypatch, home) -> None:
+    """A run over every due session: the long session's second chunk faults while its third was read ahead. The
+    first chunk stays committed, nothing of the second or third is written, and the next session is observed."""
+    async with loomd(monkeypatch, home, observe_idle_s=0) as (d, client):
+        events = [user("aa-long", f"Step {i}: never touch module number {i}, it is generated.", 1_700_000_000 + i)
+                  for i in range(2 * CHUNK_EVENTS + 10)]
+        events[CHUNK_EVENTS + 5]["payload"]["text"] = "Never deploy on Fridays, BOOM."
+        ids = await ingest(client, events)
+        await ingest(client, work_session("zz-good", 1_700_000_500))
+        async with d.store.atomic() as db:
+            await db.execute("CREATE TRIGGER boom BEFORE INSERT ON memories WHEN new.text LIKE '%BOOM%'"
+                             " BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+        run = await client.call("workers_run", name="observer", final=True)
+        assert run["outcome"] == "ok", run
+        assert run["detail"]["sessions_failed"] == ["aa-long: IntegrityError: disk says no"], run["detail"]
+        mark = int(await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:aa-long'"))
+        assert mark == ids[CHUNK_EVENTS - 1]
+        cited = await d.store.scalar("SELECT max(s.event_id) FROM memory_sources s JOIN memories m"
+                                     " ON m.id = s.memory_id WHERE m.session_id = 'aa-long' AND m.kind = 'observation'")
+        assert cited <= mark  # neither the failed chunk nor the one read ahead of it wrote an observation
+        read_ahead = await d.store.scalar(
+            "SELECT count(*) FROM memory_sources s JOIN memories m ON m.id = s.memory_id WHERE m.session_id = 'aa-long'"
+            " AND m.kind IN ('observation', 'evidence') AND s.event_id > ?", (ids[2 * CHUNK_EVENTS - 1],))
+        assert read_ahead == 0  # the third chunk was read ahead, never written
+        assert any("tenacity" in m["text"] for m in await memories(client, session_id="zz-good"))
+
+
 # Any JSON a hook or a transcript line may carry, with the strings the rules look for among it.
 _SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
             | st.sampled_from(["User has approved your plan\n# Plan: ship", "[main abc1234] Subject", "pytest -q",

@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import aiosqlite
@@ -193,7 +193,7 @@ class Observer:
         sessions = [req.session_id] if req.session_id else await self.due_sessions(ctx, req.keys)
         ahead = Ahead(self, ctx, req, report, self._model(ctx, report), sessions)
         upcoming = asyncio.ensure_future(ahead.next())
-        wrote = 0  # observations the session written now wrote new
+        wrote = 0  # new observations of the session being written
         try:
             chunk = await upcoming
             while chunk is not None:
@@ -203,11 +203,11 @@ class Observer:
                 except WatermarkMoved:
                     raise
                 except Exception as exc:  # noqa: BLE001 - as in `Ahead.next`: the session is skipped, the run goes on
+                    self._skip(chunk.session_id, exc, req, report)
                     following = await upcoming
                     if following is not None and following.session_id == chunk.session_id:
                         await ahead.drop(chunk.session_id)  # it was read ahead of a chunk that is not written
                         following = await ahead.next()
-                    self._skip(chunk.session_id, exc, req, report)
                     chunk, wrote = following, 0
                     continue
                 following = await upcoming
@@ -271,7 +271,7 @@ class Observer:
         return sorted(context, key=lambda e: e.id)
 
     async def chunks(self, ctx: WorkerContext, session_id: str, req: RunRequest, report: RunReport,
-                     model: ModelDistiller | None) -> AsyncIterator[Chunk]:
+                     model: ModelDistiller | None) -> AsyncGenerator[Chunk, None]:
         """The session's unobserved events, chunk after chunk, each read and distilled (nothing written): the
         watermark each one is read from is the one the chunk before it moves to once written."""
         session = await ctx.store.fetchone("SELECT project, agent FROM sessions WHERE id = ?", (session_id,))
@@ -333,7 +333,7 @@ class Ahead:
                  model: ModelDistiller | None, sessions: list[str]) -> None:
         self.observer, self.ctx, self.req, self.report, self.model = observer, ctx, req, report, model
         self.sessions = iter(sessions)
-        self.current: tuple[str, AsyncIterator[Chunk]] | None = None
+        self.current: tuple[str, AsyncGenerator[Chunk, None]] | None = None
 
     async def next(self) -> Chunk | None:
         while True:
@@ -366,4 +366,4 @@ class Ahead:
         if self.current is not None:
             _, chunks = self.current
             self.current = None
-            await chunks.aclose()  # type: ignore[attr-defined]
+            await chunks.aclose()
