@@ -189,18 +189,24 @@ async def test_a_failed_chunk_never_moves_the_watermark(monkeypatch, home) -> No
         assert any("Never deploy on Fridays" in m["text"] for m in await memories(client, kind="observation"))
 
 
+async def observe_all_but_one(d: Daemon, client: AsyncClient, failing: str) -> None:
+    """A run over every due session while any memory saying BOOM fails to insert: `failing` is skipped, noted in
+    the run's report, and the run goes on."""
+    async with d.store.atomic() as db:
+        await db.execute("CREATE TRIGGER boom BEFORE INSERT ON memories WHEN new.text LIKE '%BOOM%'"
+                         " BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+    run = await client.call("workers_run", name="observer", final=True)
+    assert run["outcome"] == "ok", run
+    assert run["detail"]["sessions_failed"] == [f"{failing}: IntegrityError: disk says no"], run["detail"]
+
+
 async def test_one_session_that_fails_never_stalls_the_others(monkeypatch, home) -> None:
     """A run over every due session: the session whose write faults keeps its watermark and is named in the run's
     report; the sessions after it are observed all the same."""
     async with loomd(monkeypatch, home, observe_idle_s=0) as (d, client):
         await ingest(client, [user("aa-bad", "Never deploy on Fridays, BOOM.", 1_700_000_000)])
         await ingest(client, work_session("zz-good", 1_700_000_100))
-        async with d.store.atomic() as db:
-            await db.execute("CREATE TRIGGER boom BEFORE INSERT ON memories WHEN new.text LIKE '%BOOM%'"
-                             " BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
-        run = await client.call("workers_run", name="observer", final=True)
-        assert run["outcome"] == "ok", run
-        assert run["detail"]["sessions_failed"] == ["aa-bad: IntegrityError: disk says no"], run["detail"]
+        await observe_all_but_one(d, client, "aa-bad")
         assert await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:aa-bad'") is None
         assert await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:zz-good'") is not None
         assert any("tenacity" in m["text"] for m in await memories(client, session_id="zz-good"))
@@ -247,12 +253,7 @@ async def test_a_chunk_that_fails_mid_session_drops_what_was_read_ahead_of_it(mo
         events[CHUNK_EVENTS + 5]["payload"]["text"] = "Never deploy on Fridays, BOOM."
         ids = await ingest(client, events)
         await ingest(client, work_session("zz-good", 1_700_000_500))
-        async with d.store.atomic() as db:
-            await db.execute("CREATE TRIGGER boom BEFORE INSERT ON memories WHEN new.text LIKE '%BOOM%'"
-                             " BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
-        run = await client.call("workers_run", name="observer", final=True)
-        assert run["outcome"] == "ok", run
-        assert run["detail"]["sessions_failed"] == ["aa-long: IntegrityError: disk says no"], run["detail"]
+        await observe_all_but_one(d, client, "aa-long")
         mark = int(await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:aa-long'"))
         assert mark == ids[CHUNK_EVENTS - 1]
         cited = await d.store.scalar("SELECT max(s.event_id) FROM memory_sources s JOIN memories m"
