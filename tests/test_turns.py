@@ -73,14 +73,17 @@ async def test_a_waiter_cancelled_as_the_turn_passes_over_it_leaves_the_writer_f
             assert turns.locked()
 
 
+OBSERVED = "SELECT count(*) FROM memories WHERE session_id = 'yield' AND kind = 'observation'"
+
+
 async def test_a_scheduled_worker_run_writes_nothing_while_hooks_stream(quiet: tuple[Daemon, AsyncClient]) -> None:
     """A run the scheduler started in a pause of the hooks (here: woken by an event) waits before each transaction
     while they stream: it did not write on, chunk after chunk, behind every hook's commit. A manual run is never
     held (the rest of the suite runs them while hooks come)."""
     d, client = quiet
     said = "From now on never use print for logging, use the logging module."
-    events = [{"agent": "claude", "session_id": "yield", "kind": kind, "payload": {"text": text}, "ts": 1_700_000_000 + i,
-               "project": "proj-y", "source": "transcript", "key": f"t:yield:{i}"}
+    events = [{"agent": "claude", "session_id": "yield", "kind": kind, "payload": {"text": text},
+               "ts": 1_700_000_000 + i, "project": "proj-y", "source": "transcript", "key": f"t:yield:{i}"}
               for i, (kind, text) in enumerate([("user_message", said), ("assistant_message", "Noted, logging it is."),
                                                 ("user_message", "Now add retries to the uploader.")])]
     await client.call("ingest", events=events)
@@ -102,7 +105,7 @@ async def test_a_scheduled_worker_run_writes_nothing_while_hooks_stream(quiet: t
             await asyncio.sleep(0.05)
             if run.done():
                 break
-        written = await d.store.scalar("SELECT count(*) FROM memories WHERE session_id = 'yield' AND kind = 'observation'")
+        written = await d.store.scalar(OBSERVED)
         held = not run.done()
     finally:
         streaming = False
@@ -110,7 +113,7 @@ async def test_a_scheduled_worker_run_writes_nothing_while_hooks_stream(quiet: t
     assert held and written == 0, (run.done() and run.result(), written)
     result = await run  # the hooks paused: it goes on
     assert result["outcome"] == "ok" and result["items_out"] > 0, result
-    assert await d.store.scalar("SELECT count(*) FROM memories WHERE session_id = 'yield' AND kind = 'observation'") > 0
+    assert await d.store.scalar(OBSERVED) > 0
 
 
 def test_an_unbroken_stream_of_hooks_gives_background_work_short_slices_after_a_while() -> None:
