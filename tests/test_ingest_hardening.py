@@ -124,6 +124,32 @@ async def stored_payload(client: AsyncClient, home: Path, sid: str, within: floa
     return json.loads(payload)
 
 
+async def test_a_sessions_row_holds_what_its_events_of_one_commit_left_there_in_turn(client: AsyncClient,
+                                                                                      home: Path) -> None:
+    """One batch is one commit, which upserts a session's row once: with what its events, one by one, would have
+    left there. The project is the first known one, the folder the first given, the transcript the last named, the
+    start the first event's time, last seen the latest, the end the last SessionEnd's."""
+    def event(n: int, kind: str, ts: float, **extra: Any) -> dict[str, Any]:
+        return {"agent": "claude", "session_id": "merged", "kind": kind, "payload": {"text": f"step {n}"}, "ts": ts,
+                "source": "transcript", "key": f"t:merged:{n}", **extra}
+
+    batch = [event(1, "user_message", 1_700_000_010.0),  # no folder yet: project 'unknown'
+             event(2, "assistant_message", 1_700_000_030.0, cwd="/w/first", project="dir:/w/first",
+                   transcript_path="/t/a.jsonl"),
+             event(3, "SessionEnd", 1_700_000_020.0, cwd="/w/second", project="dir:/w/second"),
+             event(4, "user_message", 1_700_000_025.0, transcript_path="/t/b.jsonl"),
+             event(5, "assistant_message", 1_700_000_040.0)]
+    assert (await client.call("ingest", events=batch))["stored"] == 5
+    row = query(home, "SELECT agent, project, cwd, transcript_path, started, last_seen, ended FROM sessions"
+                      " WHERE id = 'merged'")
+    assert row == [("claude", "dir:/w/first", "/w/first", "/t/b.jsonl", 1_700_000_010.0, 1_700_000_040.0,
+                    1_700_000_020.0)]
+    await client.call("ingest", events=[event(6, "user_message", 1_700_000_035.0, cwd="/w/third",
+                                              project="dir:/w/third", transcript_path=None)])
+    row = query(home, "SELECT project, cwd, transcript_path, last_seen, ended FROM sessions WHERE id = 'merged'")
+    assert row == [("dir:/w/first", "/w/first", "/t/b.jsonl", 1_700_000_040.0, 1_700_000_020.0)]
+
+
 async def test_a_payload_of_200k_keys_is_cut_with_a_marker(client: AsyncClient, home: Path) -> None:
     keys = 200_000
     body = {"session_id": "hostile", "cwd": CWD, "hook_event_name": "PostToolUse", "tool_name": "Bash",

@@ -10,6 +10,7 @@ from conftest import caught_up
 
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
+from loomd.ingest.writer import SLICE_EVERY_S, SLICE_S, YIELD_MAX_S, LiveTraffic
 from loomd.store.turns import WriteTurns
 
 
@@ -70,3 +71,68 @@ async def test_a_waiter_cancelled_as_the_turn_passes_over_it_leaves_the_writer_f
     async with asyncio.timeout(5):
         async with turns.hold(urgent=True):
             assert turns.locked()
+
+
+OBSERVED = "SELECT count(*) FROM memories WHERE session_id = 'yield' AND kind = 'observation'"
+
+
+async def test_a_scheduled_worker_run_writes_nothing_while_hooks_stream(quiet: tuple[Daemon, AsyncClient]) -> None:
+    """A run the scheduler started in a pause of the hooks (here: woken by an event) waits before each transaction
+    while they stream: it did not write on, chunk after chunk, behind every hook's commit. A manual run is never
+    held (the rest of the suite runs them while hooks come)."""
+    d, client = quiet
+    said = "From now on never use print for logging, use the logging module."
+    events = [{"agent": "claude", "session_id": "yield", "kind": kind, "payload": {"text": text},
+               "ts": 1_700_000_000 + i, "project": "proj-y", "source": "transcript", "key": f"t:yield:{i}"}
+              for i, (kind, text) in enumerate([("user_message", said), ("assistant_message", "Noted, logging it is."),
+                                                ("user_message", "Now add retries to the uploader.")])]
+    await client.call("ingest", events=events)
+    streaming, hooks = True, 0
+
+    async def stream() -> None:  # back to back: never the pause (LIVE_QUIET_S) that lets background work run
+        nonlocal hooks
+        while streaming:
+            raw = json.dumps({"session_id": "live", "cwd": "/tmp", "hook_event_name": "Stop", "n": hooks})
+            await client.call("hook", event="Stop", agent="claude", raw=raw.encode())
+            hooks += 1
+
+    hooker = asyncio.create_task(stream())
+    try:
+        await until(lambda: hooks >= 3, "the hooks to stream")
+        run = asyncio.create_task(d.scheduler.run("observer", session_id="yield", trigger="event"))
+        # Well within YIELD_MAX_S: the stream holds it back for good until then.
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if run.done():
+                break
+        written = await d.store.scalar(OBSERVED)
+        held = not run.done()
+    finally:
+        streaming = False
+        await hooker
+    assert held and written == 0, (run.done() and run.result(), written)
+    result = await run  # the hooks paused: it goes on
+    assert result["outcome"] == "ok" and result["items_out"] > 0, result
+    assert await d.store.scalar(OBSERVED) > 0
+
+
+def test_an_unbroken_stream_of_hooks_gives_background_work_short_slices_after_a_while() -> None:
+    """Background work waits while live events stream; a stream that never pauses lets it run after YIELD_MAX_S,
+    in slices of SLICE_S, never a long turn during which hooks wait behind it."""
+    live, t0, step = LiveTraffic(), 1000.0, 0.005
+    free: list[float] = []
+    for i in range(int((YIELD_MAX_S + 3.0) / step)):
+        now = t0 + i * step
+        live.arrived(now)
+        if not live.busy(now):
+            free.append(now - t0)
+    assert free and min(free) >= YIELD_MAX_S
+    runs, start, last = [], free[0], free[0]
+    for t in free[1:]:
+        if t - last > 1.5 * step:
+            runs.append(last - start)
+            start = t
+        last = t
+    runs.append(last - start)
+    assert len(runs) >= int(3.0 / SLICE_EVERY_S) and max(runs) <= SLICE_S  # many short slices, no long turn
+    assert not live.busy(last_event := t0 + 20.0) and not live.busy(last_event + 0.1)  # quiet: free at once

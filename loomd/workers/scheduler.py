@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 OBSERVE_NOW = frozenset({"PreCompact", "SessionEnd", "compact_summary"})
 STOP_TIMEOUT_S = 10.0
-HOLD_RETRY_S = 1.0  # while held, a due run is tried again this much later
+HOLD_RETRY_S = 0.25  # while held, a due run is tried again this much later (a slice of background time is 50 ms)
 
 
 class Worker(Protocol):
@@ -70,9 +71,9 @@ class Scheduler:
         self.running: set[asyncio.Task[Any]] = set()
         self.stopping = False
         self.ctx = WorkerContext(store, config, memories, self.wake, offload, sync)
-        # True while scheduled runs must wait (`loom import` runs, or live hooks arrive: the daemon sets it). The
-        # workers' text work took as much CPU as the import's own commits; an imported session is observed once the
-        # import is done.
+        # True while scheduled runs must wait (`loom import` runs, or live hooks arrive: the daemon sets it): to start,
+        # and a run already going before each transaction (`WorkerContext.turn`). The workers' text work took as much
+        # CPU as the import's own commits; an imported session is observed once the import is done.
         self.hold: Callable[[], bool] = lambda: False
 
     @property
@@ -183,8 +184,10 @@ class Scheduler:
             started = time.time()
             error: str | None = None
             report.job_id = await self._begin(req, started)
+            # A manual run (`loom workers run`: someone waits for it) is never held; a scheduled one yields.
+            ctx = self.ctx if trigger == "manual" else replace(self.ctx, hold=self.hold)
             try:
-                await worker.run(self.ctx, req, report)
+                await worker.run(ctx, req, report)
             except asyncio.CancelledError:
                 await self._end(report, "cancelled", "cancelled at shutdown; its open transaction rolled back")
                 raise
