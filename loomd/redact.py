@@ -2,8 +2,9 @@
 
 Every rule is a precompiled pattern whose variable-length parts are possessive or bounded and
 anchored by a look-behind, so no input can make a match backtrack over more than a bounded window.
-A rule only runs when one of its trigger substrings occurs in the text (the fast path); a rule whose
-pattern cannot begin with a literal is tried only where a plain search says it can start (`starts`).
+A rule only runs when one of its trigger substrings occurs in the text (the fast path; in a long text one
+Aho-Corasick pass finds them all); a rule whose pattern cannot begin with a literal is tried only where a plain
+search says it can start (`starts`).
 How much of a corpus of realistic secrets it catches, and what it takes out of real transcripts, is
 measured by bench/redaction.py (tests/secret_corpus.py is the corpus).
 """
