@@ -11,7 +11,8 @@ Measured: the import's rate (events stored per second of the CLI's run) and the 
 all and per event read: on a loaded machine the rate swings, the CPU per event much less), the time until every
 event is embedded (the back-fill caught up) and observed (every session's observer watermark at its last event), the
 peak RSS of the daemon, its offload process and its import parsers (sampled every 0.2 s; their sum's peak also per
-phase: import, catch-up, second import), and a second import of the same history (must add 0).
+phase: start, with the model's load, import, catch-up, second import), and a second import of the same history
+(must add 0). The import starts once the embedder has loaded, as on a daemon that was already running.
 `observe_idle_s` is set to 5 s (default 600): an imported session is quiet at once, and the bench measures the
 work, not the idle wait. Prints one JSON object.
 
@@ -186,6 +187,18 @@ def start_daemon(home: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"the daemon did not come up: {(home / 'daemon.log').read_text()[-2000:]}")
 
 
+def wait_for_embedder(home: Path, timeout: float = 300.0) -> str:
+    """The embedder's state once it stopped loading: the model's load (seconds of CPU, its RSS peak) is the daemon's
+    start, not the import's, which a user's long-running daemon has behind it."""
+    deadline = time.monotonic() + timeout
+    state = "loading"
+    while state == "loading" and time.monotonic() < deadline:
+        with Client(home / "loomd.sock", timeout=30) as c:
+            state = c.call("status")["embedder"]["state"]
+        time.sleep(0.2)
+    return state
+
+
 def run_import(env: dict[str, str]) -> tuple[dict[str, Any], float]:
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-c", CLI, "import", "--yes", "--json"], env=env, cwd=env["PYTHONPATH"],
@@ -233,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler = RssSampler(home, proc.pid)
         sampler.start()
         try:
+            report["embedder_at_start"] = wait_for_embedder(home)
             before = sampler.cpu_by_role()
             sampler.phase = "import"
             first, took = run_import(env)
