@@ -241,7 +241,7 @@ class ParserPool:
     file starts a fresh child."""
 
     def __init__(self, size: int, idle_s: float) -> None:
-        self.children = [Offload(nice=0, idle=True) for _ in range(max(1, size))]
+        self.children = [Offload(nice=0, idle=True, trim=True) for _ in range(max(1, size))]
         self.idle_s = idle_s
         self.busy = [0] * len(self.children)
         self.files = 0
