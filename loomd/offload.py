@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import functools
 import itertools
 import logging
@@ -44,6 +45,20 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CHILD_NICE = 10
+
+try:  # glibc only (Linux); elsewhere there is nothing to do
+    _malloc_trim: Any = ctypes.CDLL("libc.so.6").malloc_trim
+    _malloc_trim.argtypes = [ctypes.c_size_t]
+except (OSError, AttributeError):
+    _malloc_trim = None
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the system: without a trim each thread's heap keeps its high-water mark (onnxruntime's
+    run buffers, a parsed file and its pickled events) and the process's RSS stays there while it idles."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
 LANES = ("embed", "query", "work", "parse")
 BACKGROUND = frozenset({"embed", "work"})  # the lanes nobody waits on: the back-fill, the workers' text work
 DIRECT = ("query",)  # lanes with a pipe of their own, called from a thread (`call_sync`), one call at a time
@@ -52,9 +67,12 @@ DIRECT = ("query",)  # lanes with a pipe of their own, called from a thread (`ca
 class Offload:
     """The parent's handle on the helper process: `call` and `call_sync` run a function there."""
 
-    def __init__(self, nice: int = CHILD_NICE, *, idle: bool = False) -> None:
+    def __init__(self, nice: int = CHILD_NICE, *, idle: bool = False, trim: bool = False) -> None:
         self.nice = nice  # added to the child's priority: the helper yields the CPU to the loop and the agent
         self.idle = idle  # the whole child runs only on CPU time nothing else wants (`idle_priority`)
+        # After each call's reply, the child hands its freed heap back (`release_memory`): for calls that each build a
+        # large result, in a process that then waits (`loom import`'s parsers), not for small frequent ones.
+        self.trim = trim
         self._lock = threading.Lock()
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
@@ -91,7 +109,7 @@ class Offload:
             parent, child = ctx.Pipe()
             direct = {lane: ctx.Pipe() for lane in DIRECT}
             proc = ctx.Process(target=_child_main, args=(child, self.nice, {k: c for k, (_, c) in direct.items()},
-                                                         self.idle), name="loomd-offload", daemon=True)
+                                                         self.idle, self.trim), name="loomd-offload", daemon=True)
             proc.start()
             child.close()
             for _, end in direct.values():
@@ -288,7 +306,8 @@ def idle_priority() -> str:
     return "nice"
 
 
-def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | None = None, idle: bool = False) -> None:
+def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | None = None, idle: bool = False,
+                trim: bool = False) -> None:
     """Serve calls until the parent goes away (the pipe closes); each lane on its own thread, a direct lane's thread
     reading its own pipe.
 
@@ -319,6 +338,9 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
                 conn.send(reply)
             except (TypeError, AttributeError, ValueError) as exc:  # an unpicklable result or exception
                 conn.send((rid, False, RuntimeError(f"{type(reply[2]).__name__} could not be sent back: {exc}")))
+        if trim:
+            del reply  # the result and its pickle are garbage now: what they took goes back to the system
+            release_memory()
 
     finish = False
     try:

@@ -636,3 +636,42 @@ def test_long_results_are_remembered_under_a_digest_and_never_the_input() -> Non
     # strings found clean, and a bare token another test redacted without its name is one: not looked at here.)
     assert all(isinstance(key, bytes) and len(key) == 16 for key in redact._long_done)
     assert not any(GENERIC in result for result in redact._long_done.values())
+
+
+# --- a long text's triggers, found in one pass (issue 17) ---------------------------------------------------------
+
+def _each_trigger_searched(text: str) -> str:
+    """The rule table as it reads: each rule whose trigger occurs in the (lower-cased) text, in order."""
+    low = text.lower()
+    for rule in redact._RULES:
+        if any(trigger in low for trigger in rule.triggers):
+            text = rule.apply(text)
+    return text
+
+
+_TRIGGER_PIECES = st.sampled_from(sorted({t for r in redact._RULES for t in r.triggers if t}
+                                         | set(redact._CLI_TRIGGERS) | set(redact._CLIS)
+                                         | {text for text, _ in ALL_SAMPLES if "private" not in text.lower()}))
+_FILLER = "lorem ipsum dolor sit amet, consectetur adipiscing elit; " * 10
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces=st.lists(_TRIGGER_PIECES | st.text(max_size=8), max_size=16), at=st.integers(0, 16))
+def test_long_texts_run_the_rules_their_triggers_name(pieces: list[str], at: int) -> None:
+    """Over AUTOMATON_CHARS, one automaton pass says which triggers a text holds: the same rules run as when each
+    trigger is searched for, and the command rule finds the same commands (also after a rule before it changed
+    the text)."""
+    pieces.insert(min(at, len(pieces)), _FILLER)
+    text = "".join(pieces)
+    if "private" in text.lower():
+        return  # <private> spans and PEM blocks are handled before the rule table either way
+    assert len(text) >= redact.AUTOMATON_CHARS
+    assert redact._present(text.lower()) == {t for t in redact._TRIGGERS.keys() if t in text.lower()}
+    assert redact._redact(text) == _each_trigger_searched(text)
+
+
+def test_long_corpus_samples_redact_as_each_trigger_searched() -> None:
+    for text, _ in ALL_SAMPLES:
+        long = f"{_FILLER}\n{text}\n{_FILLER}"
+        if "private" not in long.lower():
+            assert redact._redact(long) == _each_trigger_searched(long), text[:200]

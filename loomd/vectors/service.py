@@ -17,7 +17,7 @@ import numpy as np
 
 from loomd.errors import ChildDied, EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
-from loomd.offload import Offload, lower_thread_priority
+from loomd.offload import Offload, lower_thread_priority, release_memory
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.store.trip import commit_in_one_trip
 from loomd.store.turns import HOLDER
@@ -29,7 +29,6 @@ from loomd.vectors.embed import (
     Embedder,
     NoEmbedder,
     make_embedder,
-    release_memory,
 )
 from loomd.vectors.index import PREFILTER, BitIndex, Filters
 
