@@ -325,7 +325,7 @@ class Ops:
         if not a["confirm"]:
             reader = self.s.store.reader
             return {"purged": False, "plan": await describe(reader, await select(reader, **criteria))}
-        return {"purged": True, **await purge(self.s.store, **criteria)}
+        return {"purged": True, **await purge(self.s.store, self.s.memories.gone, **criteria)}
 
     @takes({"id": ((int, list), REQUIRED)})
     async def handle_restore(self, a: dict[str, Any]) -> dict[str, Any]:

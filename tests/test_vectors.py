@@ -167,3 +167,28 @@ async def test_the_back_fill_waits_while_hooks_arrive_and_catches_up_when_they_p
     assert any(held), held
     status = await caught_up(client)
     assert not status["held"] and status["vectors"] >= 2, status
+
+
+async def test_a_memory_deleted_while_the_back_fill_is_held_is_not_kept_waiting_to_be_checked(
+        client: AsyncClient) -> None:
+    """What is deleted before the back-fill gets to it leaves its queue too: a retention that deletes while hooks
+    stream must not pile ids up in the daemon for good."""
+    await client.call("store", text=TEXTS[0], project="p")
+    await caught_up(client)
+    stored: list[int] = []
+    checks: list[tuple[bool, int]] = []
+    for i in range(12):
+        raw = json.dumps({"session_id": "burst", "cwd": "/tmp/burst", "hook_event_name": "PostToolUse",
+                          "tool_name": "Bash", "tool_use_id": f"held-{i}", "tool_input": {"command": f"make {i}"},
+                          "tool_response": {"stdout": "ok", "stderr": ""}}).encode()
+        await client.call("hook", raw=raw, event="PostToolUse", eid=f"held-{i}")
+        if i in (2, 3, 4):
+            stored.append((await client.call("store", text=TEXTS[i + 2], project="p"))["id"])
+        if i == 6:
+            await client.call("purge", id=stored, confirm=True)
+        if i >= 7:
+            embedder = (await client.call("status"))["embedder"]
+            checks.append((embedder["held"], embedder["to_check"]))
+    held_checks = [to_check for held, to_check in checks if held]
+    assert held_checks, checks  # the back-fill really was held after the purge
+    assert all(to_check == 0 for to_check in held_checks), checks

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,9 +174,11 @@ async def remove(db: aiosqlite.Connection, chosen: Selection, *, rebuild_fts: bo
     return {name: n for name, n in changed.items() if n}
 
 
-async def purge(store: Store, **criteria: Any) -> dict[str, Any]:
+async def purge(store: Store, gone: Callable[[Sequence[int]], None] = lambda ids: None,
+                **criteria: Any) -> dict[str, Any]:
     """Select (as `select`) and remove, then clean the file: zeroed pages, a rebuilt FTS index, the WAL folded in,
-    VACUUM. What went (`describe`) and the rows changed per table."""
+    VACUUM. What went (`describe`) and the rows changed per table. `gone` hears the memory ids once removed (the
+    daemon's copies of them, the vector index's, go too)."""
     async with store.exclusive() as db:
         await db.execute("PRAGMA secure_delete = ON")
         try:
@@ -189,6 +191,7 @@ async def purge(store: Store, **criteria: Any) -> dict[str, Any]:
             except BaseException:
                 await db.execute("ROLLBACK")
                 raise
+            gone(sorted(chosen.memories))
             await _checkpoint(db)
             await db.execute("VACUUM")
             truncated = await _checkpoint(db)

@@ -187,6 +187,10 @@ class VectorService:
         retention deletes as fast as the store grows)."""
         if self.index is not None:
             self.index.remove(ids)
+        # Nor wait to be checked: while the back-fill is held (hooks streaming), a retention deleted passages faster
+        # than they were embedded, and their ids piled up here for good (about 50 a second in the soak).
+        self._dirty.difference_update(ids)
+        self._written.difference_update(ids)
 
     def _promote(self) -> None:
         written = list(self._written)
@@ -212,6 +216,7 @@ class VectorService:
             "provider": self.config.embedder, "model": name, "state": self.state,
             "dim": self.index.dim if self.index is not None else None,
             "vectors": len(self.index) if self.index is not None else 0, "pending": self.pending,
+            "to_check": len(self._dirty) + len(self._written),  # ids written since the last batch, not checked yet
             "caught_up": self.caught_up, "embedded": self.embedded, "copied": self.copied,
             "held": self.state == "ready" and self.hold(),  # waiting for an import to finish, or hooks to pause
         }
