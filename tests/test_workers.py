@@ -434,8 +434,10 @@ async def test_a_memory_forgotten_between_the_reflectors_read_and_its_write_gets
         refused = await d.scheduler.ctx.commit(False, functools.partial(Reflector().apply, plan, report=report,
                                                                         dry_run=False))
         assert refused is None and report.output == []
-        result = await client.call("workers_run", name="reflector", project=PROJECT)
-        assert result["outcome"] == "ok"
+        # Planned again (here through the last resort, read, planned and written in one transaction).
+        changed, read, made = await d.scheduler.ctx.commit(False, functools.partial(
+            Reflector().reflect, project=PROJECT, off=frozenset(), report=report, dry_run=False))
+        assert (changed, read, len(made)) == (1, 1, 1)
         assert await supports_of(d, kept[0]["id"]) == before  # the forgotten memory got nothing
         live = [m for m in await memories(client) if m["kind"] == "constraint" and m["text"] == rule
                 and m["archived_at"] is None]
