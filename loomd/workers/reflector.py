@@ -24,6 +24,7 @@ chunk that changed meanwhile is planned again. Reads and matching inside the tra
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import re
 import sqlite3
@@ -34,6 +35,7 @@ from typing import Any
 
 import aiosqlite
 
+from loomd.offload import Offload
 from loomd.store.db import connect_sync
 from loomd.store.derived import write_derived
 from loomd.store.memories import content_hash, insert_memory
@@ -304,6 +306,15 @@ def read_snapshot(conn: sqlite3.Connection, project: str) -> Chunk | None:
         conn.execute("ROLLBACK")
 
 
+def _read_and_submit(conn: sqlite3.Connection, project: str, off: frozenset[str],
+                     offload: Offload | None) -> tuple[Chunk | None, concurrent.futures.Future[Plan] | None]:
+    """The next chunk, and its planning sent to the offload process (None without one: planned by the caller)."""
+    chunk = read_snapshot(conn, project)
+    if chunk is None or offload is None:
+        return chunk, None
+    return chunk, offload.submit("work", plan_chunk, chunk, off)
+
+
 def _links(mem: Mem, pool: Pool) -> list[tuple[str, int]]:
     """`supersedes` older decisions `mem` replaces (they leave the pool); `contradicts` rules it says the opposite
     of."""
@@ -448,13 +459,11 @@ class Reflector:
         """The next chunk: (memories written or merged into, observations read, the new memories' ids)."""
         off = ctx.config().for_project(project).kinds_off()
         for _ in range(REPLANS):
-            chunk = await asyncio.to_thread(read_snapshot, conn, project)
+            # The read and the hand-over to the offload process (pickling the chunk) on a thread, off the loop.
+            chunk, planning = await asyncio.to_thread(_read_and_submit, conn, project, off, ctx.offload)
             if chunk is None:
                 return 0, 0, []
-            if ctx.offload is None:
-                plan = plan_chunk(chunk, off)
-            else:
-                plan = await ctx.offload.call("work", plan_chunk, chunk, off)
+            plan = plan_chunk(chunk, off) if planning is None else await asyncio.wrap_future(planning)
             done = await ctx.commit(dry_run, functools.partial(self.apply, plan, report=report, dry_run=dry_run))
             if done is not None:
                 return done
