@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import math
@@ -28,8 +29,10 @@ from loomd.client import AsyncClient, Client
 from loomd.daemon import Daemon
 from loomd.ingest.reading import CLIP_CHARS, CODE_SLACK
 from loomd.store.db import connect_sync
+from loomd.workers.base import RunReport
 from loomd.workers.digest import budgets, render_digest
 from loomd.workers.observer import CHUNK_EVENTS, PASSAGES_PER_WRITE
+from loomd.workers.reflector import Reflector, plan_chunk, read_snapshot
 from loomd.workers.rules import observe
 from loomd.workers.steps import SourceEvent
 
@@ -459,6 +462,43 @@ async def test_a_newer_decision_supersedes_the_older_one(monkeypatch, home) -> N
                                 " AND dst_type = 'memory' AND dst_id = ?", (new["id"], old["id"]))
         assert [r[0] for r in edge] == ["supersedes"]
         assert (await client.call("detail", id=old["id"]))["memories"][0]["superseded_by"] == new["id"]
+
+
+async def test_a_memory_forgotten_between_the_reflectors_read_and_its_write_gets_no_support(monkeypatch, home) -> None:
+    """The reflector plans a chunk from a snapshot read outside its write transaction. If a memory the plan merges
+    into is forgotten before the write, the write is refused and the chunk planned again: the forgotten memory gets no
+    support, and the observation makes a new memory, as if it had been reflected after the forget."""
+    async with loomd(monkeypatch, home) as (d, client):
+        rule = "Never commit directly to main, always open a pull request."
+        await ingest(client, [user("f1", rule, 1_700_000_000)])
+        await observe_and_reflect(client, ["f1"])
+        kept = [m for m in await memories(client) if m["kind"] == "constraint" and m["text"] == rule]
+        assert len(kept) == 1
+        before = await supports_of(d, kept[0]["id"])
+        await ingest(client, [user("f2", rule, 1_700_086_400)])
+        assert (await client.call("workers_run", name="observer", session_id="f2"))["outcome"] == "ok"
+        # The reflector's two steps, with the forget between them (a run interleaves them with whatever commits).
+        conn = connect_sync(home / "loomd.db")
+        chunk = read_snapshot(conn, PROJECT)
+        conn.close()
+        assert chunk is not None
+        plan = plan_chunk(chunk, frozenset())
+        assert [step.target for step in plan.steps] == [kept[0]["id"]]  # it would merge into the rule
+        assert (await client.call("forget", id=kept[0]["id"], reason="test"))["archived"] == 1
+        report = RunReport()
+        refused = await d.scheduler.ctx.commit(False, functools.partial(Reflector().apply, plan, report=report,
+                                                                        dry_run=False))
+        assert refused is None and report.output == []
+        # Planned again (here through the last resort, read, planned and written in one transaction).
+        changed, read, made = await d.scheduler.ctx.commit(False, functools.partial(
+            Reflector().reflect, project=PROJECT, off=frozenset(), report=report, dry_run=False))
+        assert (changed, read, len(made)) == (1, 1, 1)
+        assert await supports_of(d, kept[0]["id"]) == before  # the forgotten memory got nothing
+        live = [m for m in await memories(client) if m["kind"] == "constraint" and m["text"] == rule
+                and m["archived_at"] is None]
+        assert len(live) == 1 and live[0]["id"] != kept[0]["id"]
+        observation = await db_rows(d, "SELECT id FROM memories WHERE session_id = 'f2' AND kind = 'observation'")
+        assert await supports_of(d, live[0]["id"]) == [observation[0][0]]
 
 
 async def test_a_contradiction_is_linked_and_both_sides_kept(monkeypatch, home) -> None:

@@ -10,6 +10,7 @@ of the folded set, so a run with nothing new to fold writes nothing.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import math
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loomd.ingest.reading import clip
+from loomd.store.derived import write_derived
 from loomd.store.memories import insert_memory, set_archived
 from loomd.workers.base import (
     REFLECTION_KINDS,
@@ -97,10 +99,17 @@ class Digest:
                 REFLECTION_KINDS)
             projects = sorted({r[0] for r in rows} | set(req.keys))
         for project in projects:
-            async with ctx.write(req.dry_run) as db:
-                await self.digest(ctx, db, project, report, req.dry_run)
+            # Its reads, the render and the writes in one trip to the writer's thread: the writer is held for that
+            # work alone, not also for a trip through the busy event loop per statement.
+            made = await ctx.commit(req.dry_run, functools.partial(self.digest, ctx, project=project, report=report,
+                                                                   dry_run=req.dry_run))
+            if made is not None and not req.dry_run:
+                ctx.memories.mark_stale([made])  # for the back-fill
 
-    async def digest(self, ctx: WorkerContext, db: Any, project: str, report: RunReport, dry_run: bool) -> None:
+    async def digest(self, ctx: WorkerContext, db: Any, *, project: str, report: RunReport,
+                     dry_run: bool) -> int | None:
+        """Fold a project's older durable memories into its digest: the new digest's id, if one was written. It
+        awaits only `db` (`store.trip`); the caller marks the new digest's vector stale."""
         verbatim_budget, digest_budget = budgets(ctx.config().reflection_context_max_tokens)
         marks = ",".join("?" * len(REFLECTION_KINDS))
         async with db.execute(
@@ -123,10 +132,10 @@ class Digest:
                               " AND archived_at IS NULL ORDER BY id DESC", (project,)) as cur:
             current = list(await cur.fetchall())
         if state.get("fingerprint") == fingerprint and (current or not older):
-            return  # nothing new to fold since the last digest
+            return None  # nothing new to fold since the last digest
         report.items_in += len(rows)
         text = render_digest(older, digest_budget)
-        digest_id = None
+        digest_id = made = None
         if text and not (current and current[0]["text"] == text):
             digest_id, _ = await insert_memory(
                 db, kind="digest", text=text, project=project, importance=0.6, origin="digest",
@@ -135,7 +144,8 @@ class Digest:
                 await add_edge(db, digest_id, row["id"], "derives_from")
             report.wrote("digest", id=digest_id, chars=len(text), budget=digest_budget, folded=len(older), text=text)
             if not dry_run:
-                await ctx.memories.derive(db, [digest_id])
+                await write_derived(db, [digest_id])
+                made = digest_id
         elif current:
             digest_id = current[0]["id"]
         stale = [r["id"] for r in current if r["id"] != digest_id]
@@ -148,3 +158,4 @@ class Digest:
             "fingerprint": fingerprint, "digest_id": digest_id, "folded": len(older), "verbatim": cut,
             "watermark": max((r["updated"] for r in older), default=None)})
         await progress(db, report, len(rows), 1 if digest_id and text else 0)
+        return made

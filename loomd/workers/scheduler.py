@@ -18,6 +18,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -214,20 +215,26 @@ class Scheduler:
     async def _begin(self, req: RunRequest, started: float) -> int:
         detail = {"trigger": req.trigger, "dry_run": req.dry_run, "keys": sorted(req.keys)[:20],
                   "project": req.project}
-        async with self.store.atomic() as db:
-            cur = await db.execute(
-                "INSERT INTO jobs (worker, session_id, started, outcome, trigger, detail) VALUES (?,?,?,?,?,?)",
-                (req.worker, req.session_id, started, "running", req.trigger, _json(detail)))
-            return int(cur.lastrowid or 0)
+        # A job row's transactions in one trip to the writer's thread, the log's fsync after it (`commit_on_thread`):
+        # every run writes two, and through `atomic` each held the writer for a trip per statement and the fsync.
+        params = (req.worker, req.session_id, started, "running", req.trigger, _json(detail))
+
+        def insert(conn: sqlite3.Connection) -> int:
+            return int(conn.execute("INSERT INTO jobs (worker, session_id, started, outcome, trigger, detail)"
+                                    " VALUES (?,?,?,?,?,?)", params).lastrowid or 0)
+
+        job_id, _ = await self.store.commit_on_thread(insert)
+        return job_id
 
     async def _end(self, report: RunReport, outcome: str, error: str | None) -> None:
+        params = (time.time(), report.items_in, report.items_out, outcome, error, _json(report.detail), report.job_id)
+
+        def update(conn: sqlite3.Connection) -> None:
+            conn.execute("UPDATE jobs SET ended = ?, items_in = ?, items_out = ?, outcome = ?, error = ?,"
+                         " detail = json_patch(detail, ?) WHERE id = ?", params)
+
         try:
-            async with self.store.atomic() as db:
-                await db.execute(
-                    "UPDATE jobs SET ended = ?, items_in = ?, items_out = ?, outcome = ?, error = ?,"
-                    " detail = json_patch(detail, ?) WHERE id = ?",
-                    (time.time(), report.items_in, report.items_out, outcome, error, _json(report.detail),
-                     report.job_id))
+            await self.store.commit_on_thread(update)
         except Exception as exc:  # noqa: BLE001 - the store may be closing; the run's own output is already safe
             log.warning("could not record the end of job %s (%s): %s", report.job_id, outcome, exc)
 
