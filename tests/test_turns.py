@@ -10,7 +10,7 @@ from conftest import caught_up
 
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
-from loomd.ingest.writer import SLICE_EVERY_S, SLICE_S, YIELD_MAX_S, LiveTraffic
+from loomd.ingest.writer import BACKGROUND_EVERY_S, BACKGROUND_SLICE_S, YIELD_MAX_S, LiveTraffic
 from loomd.store.turns import WriteTurns
 
 
@@ -118,7 +118,7 @@ async def test_a_scheduled_worker_run_writes_nothing_while_hooks_stream(quiet: t
 
 def test_an_unbroken_stream_of_hooks_gives_background_work_short_slices_after_a_while() -> None:
     """Background work waits while live events stream; a stream that never pauses lets it run after YIELD_MAX_S,
-    in slices of SLICE_S, never a long turn during which hooks wait behind it."""
+    in slices of BACKGROUND_SLICE_S, never a long turn during which hooks wait behind it."""
     live, t0, step = LiveTraffic(), 1000.0, 0.005
     free: list[float] = []
     for i in range(int((YIELD_MAX_S + 3.0) / step)):
@@ -134,5 +134,6 @@ def test_an_unbroken_stream_of_hooks_gives_background_work_short_slices_after_a_
             start = t
         last = t
     runs.append(last - start)
-    assert len(runs) >= int(3.0 / SLICE_EVERY_S) and max(runs) <= SLICE_S  # many short slices, no long turn
+    # Many short slices, no long turn.
+    assert len(runs) >= int(3.0 / BACKGROUND_EVERY_S) and max(runs) <= BACKGROUND_SLICE_S
     assert not live.busy(last_event := t0 + 20.0) and not live.busy(last_event + 0.1)  # quiet: free at once

@@ -73,11 +73,12 @@ RECENT_ERRORS = 10
 # in a pause yields too: its next transaction waits (`workers.base.WorkerContext`).
 LIVE_QUIET_S = 0.5
 # ... but a stream of live events that never pauses holds it back at most YIELD_MAX_S; from then on background work
-# gets a slice of SLICE_S in every SLICE_EVERY_S, for as long as the stream lasts: it always progresses (a sixth of the
-# time, as the 2 s turn in every 12 s before), and a hook never waits behind more than what one slice began. (A turn
-# of 2 s let the observer and the back-fill run unchecked: ack p99 went from 7 to 53 ms.)
+# gets a slice of BACKGROUND_SLICE_S in every BACKGROUND_EVERY_S, for as long as the stream lasts: it always progresses
+# (a sixth of the time, as the 2 s turn in every 12 s before), and a hook never waits behind more than what one slice
+# began. (A turn of 2 s let the observer and the back-fill run unchecked: ack p99 went from 7 to 53 ms.) Not the bulk
+# slices above: those cut an import's commits, these give background work its time.
 YIELD_MAX_S = 10.0
-SLICE_S, SLICE_EVERY_S = 0.05, 0.3
+BACKGROUND_SLICE_S, BACKGROUND_EVERY_S = 0.05, 0.3
 
 
 class LiveTraffic:
@@ -92,7 +93,8 @@ class LiveTraffic:
 
     def busy(self, now: float | None = None) -> bool:
         """True while live events arrive (none has paused LIVE_QUIET_S); after YIELD_MAX_S of an unbroken stream,
-        False for SLICE_S out of every SLICE_EVERY_S, so that the back-fill and the workers always progress."""
+        False for BACKGROUND_SLICE_S out of every BACKGROUND_EVERY_S, so that the back-fill and the workers always
+        progress."""
         now = time.monotonic() if now is None else now
         if now - self.last >= LIVE_QUIET_S:
             self._streak = None
@@ -100,7 +102,7 @@ class LiveTraffic:
         if self._streak is None:
             self._streak = now
         streak = now - self._streak
-        return streak < YIELD_MAX_S or (streak - YIELD_MAX_S) % SLICE_EVERY_S >= SLICE_S
+        return streak < YIELD_MAX_S or (streak - YIELD_MAX_S) % BACKGROUND_EVERY_S >= BACKGROUND_SLICE_S
 
 
 @dataclass
