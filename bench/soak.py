@@ -341,8 +341,11 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
                                               "end": settled[-1]["observed_held"],
                                               "max": max(r["observed_held"] for r in settled),
                                               "slope_per_min_settled": round(slope(settled, "observed_held") * 60, 1)}
+        # What stays open: the least over the last quarter. A leak raises it; a connection held only while a worker
+        # run or a client's call is in flight (the reflector reads on a connection of its own per run) does not.
         out["fds"] = {"start": series[0]["fds"], "after_warmup": steady[0]["fds"], "end": series[-1]["fds"],
-                      "max": max(r["fds"] for r in series)}
+                      "max": max(r["fds"] for r in series),
+                      "last_quarter_min": min(r["fds"] for r in series[-max(1, len(series) // 4):])}
         out["threads"] = {"start": series[0]["threads"], "end": series[-1]["threads"],
                           "max": max(r["threads"] for r in series)}
         assert cpu0 is not None

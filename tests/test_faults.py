@@ -642,7 +642,8 @@ def test_soak_30_seconds() -> None:
     rss = report["rss_mb"]
     grown = rss["first_half_max"] - rss["start"]
     assert rss["end"] <= rss["first_half_max"] + 0.5 * grown + 10, rss
-    assert report["fds"]["end"] <= report["fds"]["after_warmup"] + 5, report["fds"]
+    # Descriptors held open for good, not those of a call or a worker run in flight at the last sample.
+    assert report["fds"]["last_quarter_min"] <= report["fds"]["after_warmup"] + 5, report["fds"]
     assert report["threads"]["end"] <= report["threads"]["start"] + 8, report["threads"]
 
 
