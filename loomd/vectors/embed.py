@@ -5,6 +5,7 @@ Every provider is blocking; the daemon runs `embed` in a worker thread, never on
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.util
@@ -33,12 +34,10 @@ log = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD_BYTES = 256 * 1024
 
-try:  # glibc only (Linux); elsewhere there is nothing to do
-    # A fixed threshold: glibc otherwise raises it to the size of each large block freed, after which the model's
-    # buffers (megabytes, allocated and freed on every run) come from the heap and the heap keeps its peak.
+# A fixed threshold: glibc otherwise raises it to the size of each large block freed, after which the model's
+# buffers (megabytes, allocated and freed on every run) come from the heap and the heap keeps its peak.
+with contextlib.suppress(OSError, AttributeError):  # glibc only (Linux); elsewhere there is nothing to do
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-except (OSError, AttributeError):
-    pass
 
 
 TRIM_EVERY = 8  # single-text runs (queries) between two trims of the heap
