@@ -45,6 +45,7 @@ from loomd.ingest.transcript import (
     Format,
     TranscriptItem,
     detect_format,
+    loads,
     parse_claude_line,
     parse_codex_line,
     read_lines,
@@ -472,7 +473,7 @@ class Tailer:
         if fmt == "claude_array":
             # A session turned into one array when it stopped: not appendable, so import it whole when it changes.
             try:
-                data = json.loads(f.path.read_bytes())
+                data = loads(f.path.read_bytes())
             except ValueError:
                 return chunk  # still being written; the next change brings it back
             objs = [o for o in data if isinstance(o, dict)] if isinstance(data, list) else []
@@ -725,7 +726,7 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
         raise BadRequest(f"{p} is not a Claude or Codex transcript")
     try:
         if fmt == "claude_array":
-            data = json.loads(p.read_bytes())
+            data = loads(p.read_bytes())
             objs = [o for o in data if isinstance(o, dict)]
         else:
             objs = []
@@ -740,7 +741,7 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
                 fh.seek(offset)
                 tail = fh.read().strip()
             with contextlib.suppress(ValueError):
-                if tail and isinstance(last := json.loads(tail), dict):
+                if tail and isinstance(last := loads(tail), dict):
                     objs.append(last)
     except OSError as exc:
         raise BadRequest(f"cannot read {p}: {exc.strerror or exc}") from exc
