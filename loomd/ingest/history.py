@@ -29,7 +29,8 @@ import aiosqlite
 
 from loomd.errors import BadRequest, ChildDied
 from loomd.ingest.events import Event
-from loomd.ingest.tailer import Tailer, read_session_file
+from loomd.ingest.sessionfile import read_session_file
+from loomd.ingest.tailer import Tailer
 from loomd.ingest.transcript import Format, detect_format
 from loomd.ingest.transcript import _ts as transcript_ts
 from loomd.ingest.writer import Processor

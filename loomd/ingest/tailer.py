@@ -24,7 +24,6 @@ import errno
 import json
 import logging
 import os
-import re
 import sqlite3
 import stat
 import time
@@ -38,8 +37,9 @@ import aiosqlite
 import watchfiles
 
 from loomd.config import Config
-from loomd.errors import BadRequest, Busy, LoomdError, NotFound
-from loomd.ingest.events import Event, clean_strings, precompute, prompt_dedup
+from loomd.errors import Busy, LoomdError
+from loomd.ingest.events import Event
+from loomd.ingest.sessionfile import codex_state_for, parse_line, read_session_file, to_event
 from loomd.ingest.transcript import (
     CodexState,
     Format,
@@ -47,13 +47,11 @@ from loomd.ingest.transcript import (
     detect_format,
     loads,
     parse_claude_line,
-    parse_codex_line,
     read_lines,
     read_subagent_meta,
     subagent_files,
 )
 from loomd.ingest.writer import EventWriter, Processor
-from loomd.redact import redact_value
 from loomd.store.db import Store
 
 log = logging.getLogger(__name__)
@@ -79,7 +77,6 @@ BATCH_EVENTS = 500
 READ_BYTES = 256 << 10
 PASS_BYTES = 8 << 20  # per file per pass, so one large backlog does not starve the others
 SUFFIXES = (".jsonl", ".json")
-_UUID_RE = re.compile(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\.jsonl$")
 
 
 @dataclass
@@ -153,34 +150,6 @@ class _Stopper:
         self._set = True
 
 
-def to_event(
-    item: TranscriptItem, *, session_id: str, cwd: str | None, max_chars: int, transcript_path: str | None = None,
-    subagent: str | None = None, meta: dict[str, str] | None = None,
-) -> Event:
-    """The stored form of one transcript item; `dedup` lets hook and transcript copies of one thing merge."""
-    sidechain = item.is_sidechain or subagent is not None
-    raw: dict[str, Any] = {
-        "text": item.text, "tool_name": item.tool_name, "tool_input": item.tool_input, "is_error": item.is_error,
-        "uuid": item.uuid, "message_id": item.message_id, "is_sidechain": sidechain,
-        "agent_id": item.agent_id or subagent,
-    }
-    if sidechain and meta:
-        raw["agent_type"], raw["agent_description"] = meta.get("agentType"), meta.get("description")
-    payload = redact_value(clean_strings({k: v for k, v in raw.items() if v not in (None, "", False, {}, [])},
-                                            max_chars))
-    assert isinstance(payload, dict)
-    if item.kind == "user_message":
-        # The UserPromptSubmit hook hashes its prompt after truncation and redaction; hash the same form of the text.
-        dedup = prompt_dedup(str(payload.get("text", "")))
-    else:
-        dedup = item.key
-    return Event(
-        key=f"t:{session_id}:{item.key}", agent=item.agent, session_id=session_id, kind=item.kind,
-        source="transcript", ts=item.ts or time.time(), payload=payload, cwd=item.cwd or cwd,
-        transcript_path=transcript_path, tool_name=item.tool_name, tool_use_id=item.tool_use_id, dedup=dedup,
-    )
-
-
 def _sniff(path: Path, hint: str) -> Format | None:
     with path.open("rb") as fh:
         first = fh.read(4096).lstrip()[:1]
@@ -189,19 +158,6 @@ def _sniff(path: Path, hint: str) -> Format | None:
     if first == b"[":
         return "claude_array"
     return detect_format(path) or ("codex" if hint == "codex" else "claude")
-
-
-def _codex_state_for(path: Path) -> CodexState:
-    # The rollout name ends in the session uuid; session_meta on line 1 normally confirms it.
-    m = _UUID_RE.search(path.name)
-    return CodexState(session_id=m.group(1) if m else "")
-
-
-def _parse(obj: dict[str, Any], fmt: Format, state: CodexState, max_chars: int) -> list[TranscriptItem]:
-    """One transcript line's items, each text kept up to `max_tool_output_chars` (the hooks' limit too)."""
-    if fmt == "codex":
-        return parse_codex_line(obj, state, max_chars=max_chars)
-    return parse_claude_line(obj, max_chars=max_chars)
 
 
 def _takes_over(known: Follower, session_id: str, role: Role) -> bool:
@@ -307,7 +263,7 @@ class Tailer:
             return
         f = Follower(key=req.key, session_id=req.session_id, role=req.role, hint=req.hint, cwd=req.cwd,
                      agent_id=req.agent_id)
-        f.codex = _codex_state_for(f.path)
+        f.codex = codex_state_for(f.path)
         row = await self.store.fetchone("SELECT value FROM checkpoints WHERE name = ?", (f"tail:{f.key}",))
         if row is not None:
             self._apply_checkpoint(f, row[0])
@@ -462,7 +418,7 @@ class Tailer:
         if (f.ino is not None and st.st_ino != f.ino) or st.st_size < offset:
             log.info("%s was replaced or truncated; reading it again from the start", f.key)
             offset = 0
-            state = _codex_state_for(f.path)
+            state = codex_state_for(f.path)
         chunk = Chunk([], offset, st.st_ino, fmt, state)
         if st.st_size == offset:
             return chunk
@@ -487,7 +443,7 @@ class Tailer:
             if after <= read_to:
                 break
             chunk.events.extend(self._convert(
-                f, [i for o in objs for i in _parse(o, fmt, state, self.config.max_tool_output_chars)]))
+                f, [i for o in objs for i in parse_line(o, fmt, state, self.config.max_tool_output_chars)]))
             read_to = after
         else:
             chunk.more = True
@@ -713,44 +669,3 @@ class Tailer:
                 for f in behind[:50]
             ],
         }
-
-
-def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: int) -> tuple[Format, list[Event]]:
-    """A whole session file's events, parsed and redacted as tailing does (blocking; `loom import` runs it in a
-    child process): a chat.json array, or a JSONL file whose last line may lack its newline."""
-    p = p.expanduser()
-    if not p.is_file():
-        raise NotFound(f"no such file: {p}")
-    fmt = detect_format(p)
-    if fmt is None:
-        raise BadRequest(f"{p} is not a Claude or Codex transcript")
-    try:
-        if fmt == "claude_array":
-            data = loads(p.read_bytes())
-            objs = [o for o in data if isinstance(o, dict)]
-        else:
-            objs = []
-            offset = 0
-            while True:
-                got, after = read_lines(p, offset)
-                if after <= offset:
-                    break
-                objs.extend(got)
-                offset = after
-            with p.open("rb") as fh:  # a finished file may lack its final newline
-                fh.seek(offset)
-                tail = fh.read().strip()
-            with contextlib.suppress(ValueError):
-                if tail and isinstance(last := loads(tail), dict):
-                    objs.append(last)
-    except OSError as exc:
-        raise BadRequest(f"cannot read {p}: {exc.strerror or exc}") from exc
-    state = _codex_state_for(p)
-    items = [i for o in objs for i in _parse(o, fmt, state, limit)]
-    fallback = session_id or next((i.session_id for i in items if i.session_id), "") or p.stem
-    subagent = p.stem.removeprefix("agent-") if p.name.startswith("agent-") and fmt == "claude" else None
-    meta = read_subagent_meta(p) if subagent else {}
-    events = [to_event(i, session_id=session_id or i.session_id or fallback, cwd=cwd, max_chars=limit,
-                       subagent=subagent, meta=meta) for i in items]
-    precompute(events)
-    return fmt, events
