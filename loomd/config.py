@@ -118,7 +118,10 @@ class Config:
     worker_interval_s: float = 60.0
     job_history_days: float = 7.0  # GC keeps the runs' log this long (each worker's latest run and error always)
     observe_idle_s: float = 600.0  # a session quiet this long is observed (and its open todos noted)
-    import_idle_s: float = 30.0  # `loom import`'s parser processes stop when no file came for this long
+    # `loom import`'s parser processes stop when no file came for this long: the CLI sends the next file at once, and
+    # idle parsers (~30 MB each) would stay into the catch-up, when the embedder peaks (it starts ACTIVE_GRACE_S = 2 s
+    # after the last file)
+    import_idle_s: float = 1.0
     working_set_days: float = 7.0  # injected into a session active, or hit, this recently: never archived
     stale_task_days: float = 30.0  # an open task untouched this long is archived by GC
     # optional model endpoint

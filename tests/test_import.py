@@ -185,6 +185,48 @@ async def test_import_equals_the_tailer_and_does_not_double_tailed_sessions(
     assert set(history.mains) <= sessions and len(sessions) == len(history.mains) + len(CODEX_FILES)
 
 
+async def test_a_secret_inside_a_long_imported_line_is_redacted(
+        daemon: Daemon, client: AsyncClient, home: Path, tmp_path: Path) -> None:
+    """Import parses in the parser processes, where redaction picks its rules from the triggers a text holds: a key
+    deep inside a long tool result, and a token inside a long assistant text, are stored as markers all the same."""
+    aws = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzq9Tk3LmN"
+    github = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+    sid = str(uuid.uuid4())
+    output = "build output line 1234 ok\n" * 200 + f"export AWS_SECRET_ACCESS_KEY={aws}\n" + "more output\n" * 100
+    said = "Here is what I found. " * 100 + f"The token is {github} and it works. " + "Done. " * 50
+    base = {"sessionId": sid, "cwd": str(tmp_path), "timestamp": "2025-11-17T10:00:00Z"}
+    lines = [
+        {**base, "type": "user", "uuid": str(uuid.uuid4()), "message": {"role": "user", "content": "build it"}},
+        {**base, "type": "assistant", "uuid": str(uuid.uuid4()), "message": {"id": "msg_1", "role": "assistant",
+         "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "make"}}]}},
+        {**base, "type": "user", "uuid": str(uuid.uuid4()), "message": {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": output}]}},
+        {**base, "type": "assistant", "uuid": str(uuid.uuid4()), "message": {"id": "msg_2", "role": "assistant",
+         "content": [{"type": "text", "text": said}]}},
+    ]
+    path = tmp_path / f"{sid}.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = await client.call("import_file", {"path": str(path)})
+    assert result["stored"] == 4
+    assert (await client.call("status"))["offload"]["import_parsers"]["files"] == 1  # parsed in a parser process
+    payloads = [row[0] for row in query(home, "SELECT payload FROM events WHERE session_id = ?", (sid,))]
+    assert len(payloads) == 4
+    assert not any(aws in p or github in p for p in payloads)
+    assert any("[REDACTED:aws_key]" in p for p in payloads) and any("[REDACTED:github_token]" in p for p in payloads)
+
+
+def test_an_import_parser_process_loads_only_what_parsing_needs() -> None:
+    """The parser processes run `read_session_file`: its module imports the transcript parsers, the event model
+    and redaction, not the tailer, the writer or the store (each parser starts faster and holds less memory)."""
+    from loomd.ingest.history import read_session_file
+
+    probe = (f"import sys, {read_session_file.__module__}; print(' '.join(sorted(sys.modules)))")
+    loaded = set(subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                                check=True).stdout.split())
+    assert read_session_file.__module__ in loaded
+    assert not loaded & {"loomd.ingest.tailer", "loomd.ingest.writer", "loomd.store.db", "aiosqlite", "watchfiles"}
+
+
 @pytest.fixture
 def parsers_idle_soon(monkeypatch: pytest.MonkeyPatch) -> None:
     """The import parsers stop half a second after the last file (the setting, before the daemon starts)."""

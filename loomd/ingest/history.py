@@ -46,9 +46,10 @@ TAIL_BYTES = 64 << 10  # where it states its end
 CHECKPOINT = "import:"
 # After its last file, an import still counts as running this long: the CLI's next file follows at once.
 ACTIVE_GRACE_S = 2.0
-# Child processes that parse history files: a core is left to the daemon's writes (and each holds ~55 MB while an
-# import runs), up to 4.
-PARSERS = max(1, min(4, (os.cpu_count() or 1) - 1))
+# Child processes that parse history files, one per core up to 4 (each holds ~37 MB while an import runs): they run
+# only on CPU time nothing else wants (`ParserPool`), so the daemon's writes and hooks never wait for them, and
+# parsing is most of an import's CPU (on 2 cores, one parser was the import's limit).
+PARSERS = max(1, min(4, os.cpu_count() or 1))
 _UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
