@@ -1443,6 +1443,24 @@ def _replace_cut_phrase(m: re.Match[str]) -> str:
 # Generic high-entropy tokens: a last resort for keys with no known prefix
 
 _GENERIC_RE = re.compile(r"(?<![A-Za-z0-9+/_\-=])[A-Za-z0-9+/_\-]{32,}+={0,2}(?![A-Za-z0-9+/_\-=])")
+_GENERIC_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/_-")
+# Each byte of a token's alphabet becomes `a`, every other byte a space: its runs are found by plain searches.
+_GENERIC_MARKS = bytes(0x61 if b in _GENERIC_CHARS else 0x20 for b in range(256))
+_GENERIC_RUN = b"a" * 32
+
+
+def _generic_starts(text: str) -> Iterator[int]:
+    """Where _GENERIC_RE can match: the start of each run of 32 or more of its characters (its look-behind makes a
+    match start a run), found by byte searches over the text's marks, a character a byte (anything not ASCII is none
+    of them). The pattern's own scan, a look-behind tried at every position, was a long text's costliest rule."""
+    marks = text.encode("ascii", "replace").translate(_GENERIC_MARKS)
+    at = marks.find(_GENERIC_RUN)
+    while at >= 0:
+        yield at
+        end = marks.find(b" ", at + len(_GENERIC_RUN))
+        if end < 0:
+            return
+        at = marks.find(_GENERIC_RUN, end)
 _HEX_RE = re.compile(r"[0-9a-fA-F\-]+")
 _WORDY_RE = re.compile(r"[a-z]{4,}|[A-Z][a-z]{3,}|[A-Z]{5,}")
 _PIECE_SPLIT_RE = re.compile(r"[/_\-]+")
@@ -1584,7 +1602,7 @@ def _build_rules() -> tuple[_Rule, ...]:
               starts=_found_starts(_TF_DEFAULT_RE, ("variable",))),
         _Rule(_BYTE_ARRAY_RE, ("[",), _replace_byte_array),
         _Rule(_CUT_BYTE_ARRAY_RE, ("…",), _token_replacer("crypto_private_key")),
-        _Rule(_GENERIC_RE, ("",), _replace_generic),
+        _Rule(_GENERIC_RE, ("",), _replace_generic, starts=_generic_starts),
         # Last: a run of words starts where the text before it stops being one, which a marker put there by any
         # rule above can change.
         _Rule(_WORD_RUN_RE, ("mnemonic", "phrase", "seed"), _replace_mnemonic),

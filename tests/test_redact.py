@@ -678,3 +678,23 @@ def test_long_corpus_samples_redact_as_each_trigger_searched() -> None:
             assert redact._redact(long) == _each_trigger_searched(long), text[:200]
         if "private" not in text.lower():
             assert redact._redact(text) == _each_trigger_searched(text), text[:200]
+
+
+_TOKEN_CHARS = string.ascii_letters + string.digits + "+/_-"
+
+
+_SEPARATORS = " =.:\"\n\t\u00e9\u20ac\U0001f600\u0130"
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(st.text(_TOKEN_CHARS, max_size=60), st.sampled_from(_SEPARATORS)), max_size=12))
+def test_the_generic_rule_tried_at_its_runs_finds_what_its_own_scan_finds(parts: list[tuple[str, str]]) -> None:
+    """The generic token rule is tried only where a run of 32 or more token characters starts (`_generic_starts`,
+    byte searches): the same matches, so the same output, as the pattern's own scan; non-ASCII text and `=` too."""
+    text = "".join(run + sep for run, sep in parts)
+    own = redact._Rule(redact._GENERIC_RE, ("",), redact._replace_generic)
+    tried = next(rule for rule in redact._RULES if rule.pattern is redact._GENERIC_RE)
+    assert tried.starts is not None
+    assert tried.apply(text) == own.apply(text)
+    assert [m.start() for m in redact._GENERIC_RE.finditer(text)] == [
+        at for at in tried.starts(text) if redact._GENERIC_RE.match(text, at)]
