@@ -21,6 +21,7 @@ from loomd.ingest.transcript import (
     CodexState,
     Format,
     TranscriptItem,
+    decode_lines,
     detect_format,
     loads,
     parse_claude_line,
@@ -108,28 +109,22 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
 
 
 def _objects(p: Path) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a JSONL file's lines, in order, decoded as they are read: a line that is blank is passed
-    over, one that is not a JSON object is skipped (counted in a warning, as `transcript.read_lines` does); the last
-    line may lack its newline (then a line that does not parse is the end of a file cut mid-write, not worth a
-    warning)."""
+    """The JSON objects of a JSONL file's lines, in order, decoded a block at a time as they are read (a line that is
+    not a JSON object is skipped with a warning, as `transcript.read_lines` does); the last line may lack its newline
+    (then a line that does not parse is the end of a file cut mid-write, not worth a warning)."""
     bad = 0
-    rest = b""
+    pending: list[bytes] = []  # the start of a line still being read (a screenshot's line can be megabytes)
     with p.open("rb") as fh:
         while block := fh.read(READ_BLOCK):
-            lines = (rest + block).split(b"\n")
-            rest = lines.pop()
-            for raw in lines:
-                if not raw.strip():
-                    continue
-                try:
-                    obj = loads(raw)
-                except ValueError:
-                    bad += 1
-                    continue
-                if isinstance(obj, dict):
-                    yield obj
-                else:
-                    bad += 1
+            cut = block.rfind(b"\n")
+            if cut < 0:
+                pending.append(block)
+                continue
+            objs, skipped = decode_lines(b"".join([*pending, block[:cut]]).split(b"\n"))
+            pending = [block[cut + 1:]]
+            bad += skipped
+            yield from objs
+    rest = b"".join(pending)
     if bad:
         log.warning("skipped %d unparsable lines in %s", bad, p)
     if rest.strip():

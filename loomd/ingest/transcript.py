@@ -529,9 +529,17 @@ def read_lines(path: Path, offset: int, *, max_bytes: int = 4 << 20) -> tuple[li
             buf += more
     if end < 0:
         return [], offset
+    objs, bad = decode_lines(buf[: end + 1].split(b"\n"))
+    if bad:
+        log.warning("skipped %d unparsable lines in %s", bad, path)
+    return objs, offset + end + 1
+
+
+def decode_lines(lines: list[bytes]) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of JSONL lines, in order, and how many lines were neither blank nor a JSON object."""
     objs: list[dict[str, Any]] = []
     bad = 0
-    for raw in buf[: end + 1].split(b"\n"):
+    for raw in lines:
         if not raw.strip():
             continue
         try:
@@ -543,9 +551,7 @@ def read_lines(path: Path, offset: int, *, max_bytes: int = 4 << 20) -> tuple[li
             objs.append(obj)
         else:
             bad += 1
-    if bad:
-        log.warning("skipped %d unparsable lines in %s", bad, path)
-    return objs, offset + end + 1
+    return objs, bad
 
 
 # How one line or array element bears on the format of its file.
