@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import functools
 import itertools
 import json
@@ -28,12 +29,14 @@ from loomd.cli import main as cli_main
 from loomd.client import AsyncClient, Client
 from loomd.daemon import Daemon
 from loomd.ingest.reading import CLIP_CHARS, CODE_SLACK
+from loomd.ingest.writer import LIVE_QUIET_S
 from loomd.store.db import connect_sync
 from loomd.workers.base import RunReport
 from loomd.workers.digest import budgets, render_digest
 from loomd.workers.observer import CHUNK_EVENTS, PASSAGES_PER_WRITE
 from loomd.workers.reflector import Reflector, plan_chunk, read_snapshot
 from loomd.workers.rules import observe
+from loomd.workers.scheduler import HOLD_RETRY_S
 from loomd.workers.steps import SourceEvent
 
 PROJECT = "proj-w"
@@ -826,6 +829,28 @@ async def test_session_end_and_token_threshold_wake_the_workers(monkeypatch, hom
         while not await d.store.scalar("SELECT value FROM checkpoints WHERE name = 'observer:t2'"):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
+
+
+async def test_a_wake_while_the_workers_are_held_does_not_run_the_job_to_put_it_off(monkeypatch, home) -> None:
+    """While runs are held (hooks stream, an import runs), a wake (one per commit of an import) sets the worker's
+    next try HOLD_RETRY_S away, as a held run would put itself off, instead of a run now that only does that; more
+    wakes before that try leave it where it is. Once nothing holds them, a wake runs the worker at once."""
+    async with loomd(monkeypatch, home, passive=False, worker_interval_s=3600) as (d, client):
+        aps = d.scheduler.aps
+        assert aps is not None
+        d.writer.live.arrived()  # a live event now: held for LIVE_QUIET_S
+        assert d.scheduler.hold()
+        before = dt.datetime.now(dt.UTC)
+        d.scheduler.wake("observer", "w1")
+        first = aps.get_job("observer").next_run_time
+        assert first >= before + dt.timedelta(seconds=HOLD_RETRY_S)
+        d.scheduler.wake("observer", "w2")
+        assert aps.get_job("observer").next_run_time == first and d.scheduler.pending["observer"] >= {"w1", "w2"}
+        await asyncio.sleep(LIVE_QUIET_S + 0.1)  # the stream has paused
+        assert not d.scheduler.hold()
+        now = dt.datetime.now(dt.UTC)
+        d.scheduler.wake("observer", "w3")
+        assert aps.get_job("observer").next_run_time <= now + dt.timedelta(seconds=1)
 
 
 async def test_passive_means_no_background_work(monkeypatch, home) -> None:

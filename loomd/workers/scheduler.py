@@ -76,6 +76,7 @@ class Scheduler:
         # and a run already going before each transaction (`WorkerContext.turn`). The workers' text work took as much
         # CPU as the import's own commits; an imported session is observed once the import is done.
         self.hold: Callable[[], bool] = lambda: False
+        self._retry: dict[str, dt.datetime] = {}  # a held worker's next try, when one is set (`wake`, `_job`)
 
     @property
     def passive(self) -> bool:
@@ -138,8 +139,22 @@ class Scheduler:
         if self.passive or self.stopping or self.aps is None or name not in self.pending:
             return
         self.pending[name].add(key)
-        if not self.locks[name].locked():  # a running job picks the key up when it finishes
-            self.aps.modify_job(name, next_run_time=dt.datetime.now(dt.UTC))
+        if self.locks[name].locked():  # a running job picks the key up when it finishes
+            return
+        now = dt.datetime.now(dt.UTC)
+        if self.hold():
+            # A run now would only put itself off (`_job`): it is tried when a held run would try again. An import
+            # wakes the observer at most every commit; each pointless run cost a job and two log lines.
+            if (retry := self._retry.get(name)) is not None and now < retry:
+                return
+            self._retry_at(name, now)
+            return
+        self.aps.modify_job(name, next_run_time=now)
+
+    def _retry_at(self, name: str, now: dt.datetime) -> None:
+        assert self.aps is not None
+        self._retry[name] = now + dt.timedelta(seconds=HOLD_RETRY_S)
+        self.aps.modify_job(name, next_run_time=self._retry[name])
 
     async def _job(self, name: str) -> None:
         """The APScheduler entry point: one run, then again while triggers arrived during it."""
@@ -147,8 +162,7 @@ class Scheduler:
             while not self.stopping:
                 if self.hold() and self.aps is not None:
                     # Its keys stay pending; a manual run (`loom workers run`) is not held.
-                    self.aps.modify_job(name, next_run_time=dt.datetime.now(dt.UTC)
-                                        + dt.timedelta(seconds=HOLD_RETRY_S))
+                    self._retry_at(name, dt.datetime.now(dt.UTC))
                     return
                 keys = frozenset(self.pending[name])
                 self.pending[name].clear()
