@@ -33,6 +33,7 @@ from conftest import REPO, DaemonProcess, need_test_data, query, serving
 
 from loomd.client import AsyncClient, Client, RemoteError
 from loomd.daemon import Daemon
+from loomd.ingest.history import ParserPool
 from loomd.ingest.tailer import BATCH_EVENTS
 
 CLI = "import sys; from loomd.cli import main; sys.argv[0] = 'loom'; main()"
@@ -213,6 +214,31 @@ async def test_a_secret_inside_a_long_imported_line_is_redacted(
     assert len(payloads) == 4
     assert not any(aws in p or github in p for p in payloads)
     assert any("[REDACTED:aws_key]" in p for p in payloads) and any("[REDACTED:github_token]" in p for p in payloads)
+
+
+async def test_a_file_that_comes_while_idle_parsers_stop_is_parsed_by_a_fresh_one(tmp_path: Path) -> None:
+    """The idle parsers are stopped in a thread; a file that comes meanwhile waits for that and starts fresh ones.
+    (Sent to a child already told to stop, its call died with it and the file was parsed in the daemon's process,
+    a fallback that holds the event loop's interpreter lock.)"""
+    sid = str(uuid.uuid4())
+    path = tmp_path / f"{sid}.jsonl"
+    path.write_text(json.dumps({"type": "user", "sessionId": sid, "uuid": str(uuid.uuid4()), "cwd": str(tmp_path),
+                                "timestamp": "2025-11-17T10:00:00Z",
+                                "message": {"role": "user", "content": "hello"}}) + "\n")
+    pool = ParserPool(1, idle_s=0.0)
+    try:
+        for _ in range(3):
+            _, events = await pool.parse(path, 16_000)
+            assert len(events) == 1
+            for _ in range(10_000):  # until the idle timer has fired: the children are being stopped
+                if pool._closer is None:
+                    break
+                await asyncio.sleep(0)
+            _, events = await pool.parse(path, 16_000)
+            assert len(events) == 1
+        assert pool.fallbacks == 0 and pool.files == 6
+    finally:
+        await pool.shutdown()
 
 
 def test_an_import_parser_process_loads_only_what_parsing_needs() -> None:

@@ -250,8 +250,13 @@ class ParserPool:
         self.fallbacks = 0
         self._last = time.monotonic()
         self._closer: asyncio.TimerHandle | None = None
+        self._closing: asyncio.Future[None] | None = None  # idle children being stopped
 
     async def parse(self, path: Path, max_chars: int) -> tuple[Format, list[Event]]:
+        while self._closing is not None:
+            # A call sent to a child told to stop would die with it (and the file be parsed in the daemon): the next
+            # file waits for the stop, then starts fresh children.
+            await asyncio.wait([self._closing])
         n = min(range(len(self.children)), key=self.busy.__getitem__)  # the least busy child
         child = self.children[n]
         self.busy[n] += 1
@@ -279,7 +284,11 @@ class ParserPool:
             self._closer = asyncio.get_running_loop().call_later(
                 self.idle_s - idle if idle < self.idle_s else self.idle_s, self._close_if_idle)
             return
-        asyncio.get_running_loop().run_in_executor(None, self.close)
+        self._closing = closing = asyncio.get_running_loop().run_in_executor(None, self.close)
+        closing.add_done_callback(self._closed)
+
+    def _closed(self, _closing: asyncio.Future[None]) -> None:
+        self._closing = None
 
     async def shutdown(self) -> None:
         """The daemon stops: the children with it."""
