@@ -102,8 +102,12 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
     fallback = session_id or next((i.session_id for i in items if i.session_id), "") or p.stem
     subagent = p.stem.removeprefix("agent-") if p.name.startswith("agent-") and fmt == "claude" else None
     meta = read_subagent_meta(p) if subagent else {}
-    events = [to_event(i, session_id=session_id or i.session_id or fallback, cwd=cwd, max_chars=limit,
-                       subagent=subagent, meta=meta) for i in items]
+    events: list[Event] = []
+    items.reverse()
+    while items:  # each item let go once it is an event: a parser holds one form of the file, not both
+        item = items.pop()
+        events.append(to_event(item, session_id=session_id or item.session_id or fallback, cwd=cwd,
+                               max_chars=limit, subagent=subagent, meta=meta))
     precompute(events)
     return fmt, events
 
