@@ -303,7 +303,8 @@ class ParserPool:
             child.close()
 
     def status(self) -> dict[str, Any]:
-        return {"processes": [c.pid for c in self.children if c.pid], "files": self.files,
+        return {"processes": [c.pid for c in self.children if c.pid], "starts": sum(c.starts for c in self.children),
+                "files": self.files,
                 "in_flight": sum(self.busy), "fallbacks": self.fallbacks}
 
 
