@@ -119,6 +119,7 @@ class RssSampler(threading.Thread):
         self.home, self.pid = home, pid
         self.peak = {"daemon_mb": 0.0, "offload_mb": 0.0, "parsers_mb": 0.0, "sum_mb": 0.0}
         self.phase_peak: dict[str, float] = {}  # the sum's peak in each phase (`phase`, set by the bench)
+        self.phase_parts: dict[str, dict[str, float]] = {}  # what that peak was made of
         self.phase = "start"
         self.cpu: dict[int, float] = {}
         self.roles: dict[int, str] = {pid: "daemon"}
@@ -143,7 +144,10 @@ class RssSampler(threading.Thread):
             for key, value in (("daemon_mb", own), ("offload_mb", off), ("parsers_mb", par),
                                ("sum_mb", own + off + par)):
                 self.peak[key] = max(self.peak[key], round(value, 1))
-            self.phase_peak[self.phase] = max(self.phase_peak.get(self.phase, 0.0), round(own + off + par, 1))
+            if round(own + off + par, 1) > self.phase_peak.get(self.phase, 0.0):
+                self.phase_peak[self.phase] = round(own + off + par, 1)
+                self.phase_parts[self.phase] = {"daemon": round(own, 1), "offload": round(off, 1),
+                                                "parsers": round(par, 1)}
             for pid in (self.pid, child, *parsers):
                 if pid and (used := cpu_s(pid)) is not None:
                     self.cpu[pid] = used
@@ -287,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             sampler.stop.set()
             sampler.join()
-            report["peak_rss"] = {**sampler.peak, "sum_mb_by_phase": sampler.phase_peak, "target_mb": 300}
+            report["peak_rss"] = {**sampler.peak, "sum_mb_by_phase": sampler.phase_peak,
+                                  "sum_mb_by_phase_parts": sampler.phase_parts, "target_mb": 300}
             proc.terminate()
             report["daemon_exit"] = proc.wait(60)
     finally:

@@ -317,6 +317,9 @@ class HistoryImporter:
         self.tailer = tailer
         self.pool = ParserPool(parsers, idle_s)
         self.in_flight = 0  # files being imported now
+        # Files read or being committed at once: one a parser, and the one the writer commits. More (the CLI keeps 4
+        # in flight) would only hold more parsed events in the daemon's memory while they wait for the writer.
+        self._slots = asyncio.Semaphore(len(self.pool.children) + 1)
         self._last_done = -ACTIVE_GRACE_S
 
     @property
@@ -387,8 +390,9 @@ class HistoryImporter:
         limit = self.tailer.config.max_tool_output_chars
         self.in_flight += 1
         try:
-            result = await self.tailer.import_file(p, also=_recorder(str(p), _fingerprint(st)),
-                                                   parse=lambda path: self.pool.parse(path, limit))
+            async with self._slots:
+                result = await self.tailer.import_file(p, also=_recorder(str(p), _fingerprint(st)),
+                                                       parse=lambda path: self.pool.parse(path, limit))
         finally:
             self.in_flight -= 1
             self._last_done = time.monotonic()
