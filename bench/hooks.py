@@ -397,7 +397,8 @@ def catchup(home: Path) -> dict[str, Any]:
     finally:
         conn.close()
     return {"embedded": embedder.get("embedded"), "vectors_pending": embedder.get("pending"),
-            "backfill_caught_up": embedder.get("caught_up"), "events": events, "observed": observed,
+            "backfill_caught_up": embedder.get("caught_up"), "backfill_yielded": embedder.get("yielded"),
+            "events": events, "observed": observed,
             "observations": observations, "reflected": reflected}
 
 
