@@ -38,6 +38,7 @@ commit waits behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -164,12 +165,23 @@ def plain_commands(python: str, root: Path) -> dict[str, str]:
 # ---------------------------------------------------------------- timing
 
 
-def spawn(argv: list[str], stdin: bytes | None, env: dict[str, str]) -> tuple[float, bytes, int]:
-    """Wall time (ms) from spawn to exit, as a hook runner sees it: payload written, stdin closed, stdout read."""
+def spawn(argv: list[str], stdin: bytes | None, env: dict[str, str]) -> tuple[float, bytes, int, float, int]:
+    """Wall time (ms) from spawn to exit, as a hook runner sees it: payload written, stdin closed, stdout read; and
+    the CPU time (ms, user + system) the spawned process used and how often it was preempted (involuntary context
+    switches), from its rusage: the wall time less its CPU is what it waited for (the CPU, the daemon)."""
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-    out, _ = proc.communicate(stdin or b"")
-    return (time.perf_counter() - start) * 1000, out, proc.returncode
+    assert proc.stdin is not None and proc.stdout is not None
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.write(stdin or b"")  # a hook reads all its stdin before it writes: no deadlock on the pipes
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.close()
+    out = proc.stdout.read()
+    proc.stdout.close()
+    _, status, usage = os.wait4(proc.pid, 0)  # its own rusage, not the sum over every child of this process
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    ms = (time.perf_counter() - start) * 1000
+    return ms, out, proc.returncode, (usage.ru_utime + usage.ru_stime) * 1000, usage.ru_nivcsw
 
 
 def percentile(sorted_xs: list[float], q: float) -> float:
@@ -190,6 +202,9 @@ def measure(variants: dict[str, list[Variant]], runs: int, gap_ms: float = 0.0) 
     """Interleave every variant, `runs` rounds after one warm-up round; a variant may rotate through payloads.
     `gap_ms`: a pause before each spawn (the agent's own time between two hooks)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    waited: dict[str, list[float]] = {name: [] for name in variants}
+    preempted = dict.fromkeys(variants, 0)
     printed = dict.fromkeys(variants, 0)
     failed = dict.fromkeys(variants, 0)
     for round_ in range(runs + 1):
@@ -197,13 +212,23 @@ def measure(variants: dict[str, list[Variant]], runs: int, gap_ms: float = 0.0) 
             argv, stdin, env = choices[round_ % len(choices)]
             if gap_ms:
                 time.sleep(gap_ms / 1000)
-            ms, out, rc = spawn(argv, stdin, env)
+            ms, out, rc, cpu_ms, nivcsw = spawn(argv, stdin, env)
             if round_:
                 times[name].append(ms)
+                cpu[name].append(cpu_ms)
+                waited[name].append(ms - cpu_ms)
+                preempted[name] += nivcsw
                 printed[name] += bool(out)
                 failed[name] += rc != 0
-    return {name: {**summary(xs), "printed_stdout": printed[name], "nonzero_exit": failed[name]}
+    # `cpu`: the spawned process's own CPU time; `waited`: its wall time less that (for the CPU, or the daemon).
+    return {name: {**summary(xs), "printed_stdout": printed[name], "nonzero_exit": failed[name],
+                   "cpu": brief(cpu[name]), "waited": brief(waited[name]), "preempted": preempted[name]}
             for name, xs in times.items()}  # fmt: skip
+
+
+def brief(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {"p50": round(percentile(s, 0.50), 3), "p99": round(percentile(s, 0.99), 3)}
 
 
 def with_deltas(stats: dict[str, dict[str, Any]], events: list[str], prefix: str = "") -> dict[str, Any]:
@@ -372,13 +397,34 @@ def catchup(home: Path) -> dict[str, Any]:
     finally:
         conn.close()
     return {"embedded": embedder.get("embedded"), "vectors_pending": embedder.get("pending"),
-            "backfill_caught_up": embedder.get("caught_up"), "events": events, "observed": observed,
+            "backfill_caught_up": embedder.get("caught_up"), "backfill_yielded": embedder.get("yielded"),
+            "events": events, "observed": observed,
             "observations": observations, "reflected": reflected}
 
 
 def progress(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What the catch-up did while the hooks were timed: zero everywhere means it hardly ran."""
     return {key: (after.get(key) or 0) - (before.get(key) or 0) for key in ("embedded", "observed", "reflected")}
+
+
+def split(events: dict[str, Any], floor: dict[str, Any], service: dict[str, Any] | None) -> dict[str, Any]:
+    """Where each kind's time went, p50 / p99 / max in ms: the wall time over the floor; the shim's own CPU time
+    (`cpu`) and its wall time less that (`waited`: for a CPU, or the daemon), each next to the floor's; the daemon's
+    `answer` (frame read to reply written) and the hook's `arrival` (the shim's send to the frame read), from
+    `status`'s `service` (None: a daemon without it, e.g. an older checkout's; its windows include the warm-up)."""
+    answer, arrival = ((service or {}).get(k) or {} for k in ("answer", "arrival"))
+
+    def of(kept: dict[str, Any], event: str) -> list[float] | None:
+        s = kept.get(f"hook:{event}")
+        return [s["p50_ms"], s["p99_ms"], s["max_ms"]] if s else None
+
+    return {event: {"over_floor": [s["delta_p50_vs_floor_ms"], s["delta_p99_vs_floor_ms"],
+                                   round(s["max"] - floor["max"], 3)],
+                    "cpu": [s["cpu"]["p50"], s["cpu"]["p99"]], "floor_cpu": [floor["cpu"]["p50"], floor["cpu"]["p99"]],
+                    "waited": [s["waited"]["p50"], s["waited"]["p99"]],
+                    "floor_waited": [floor["waited"]["p50"], floor["waited"]["p99"]],
+                    "preempted": s["preempted"], "answer": of(answer, event), "arrival": of(arrival, event)}
+            for event, s in events.items()}
 
 
 def acceptance(events: dict[str, Any]) -> dict[str, Any]:
@@ -521,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                     report["up"]["daemon_counts"] = status.get("counts")
                     report["up"]["spool_backlog"] = status.get("spool_backlog")
                     report["up"]["writer_holds"] = (status.get("writer") or {}).get("holds")
+                    report["up"]["split"] = split(report["up"]["events"], up["python_floor"], status.get("service"))
                     log = up_home / "hook.log"
                     lines = log.read_text().splitlines() if log.exists() else []
                     report["up"]["hook_log_lines"] = len(lines)

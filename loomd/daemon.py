@@ -35,10 +35,12 @@ from loomd.ingest.spool import Spool
 from loomd.ingest.tailer import Tailer
 from loomd.ingest.writer import EventWriter
 from loomd.ops import Ops, Services
+from loomd.protocol import Request
 from loomd.search.retrieval import Hit, SearchContext, search_hits
 from loomd.server import Server
 from loomd.store.db import Store
 from loomd.store.memories import MemoryWriter
+from loomd.store.turns import Durations
 from loomd.supervisor import Supervisor
 from loomd.team.search import SharedSearch
 from loomd.team.sync import SyncEngine
@@ -47,6 +49,7 @@ from loomd.vectors.service import VectorService
 from loomd.workers.scheduler import Scheduler
 
 log = logging.getLogger("loomd")
+SERVICE_KEYS = 128  # ops and hook kinds in `status`'s `service` (a client names them: the rest count as "other")
 
 STARTUP_FAILURE = 3
 SD_LISTEN_FDS_START = 3
@@ -110,6 +113,10 @@ class Daemon:
         self.supervisor = Supervisor(self.should_exit)
         self._lock_fd: int | None = None
         self._owns_socket = False
+        # `status`'s `service`: how long the daemon took to answer each op (a hook by its event kind), and how long a
+        # hook took to arrive, the shim's send time to its frame cut here (its connect, and the loop's wait to read).
+        self.answered = Durations(max_keys=SERVICE_KEYS)
+        self.arrived = Durations(max_keys=SERVICE_KEYS)
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
@@ -171,7 +178,7 @@ class Daemon:
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,
             history=self.history, sync=self.sync, shared_search=self.shared_search))
         self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
-                             max_inflight=self.config.max_inflight)
+                             max_inflight=self.config.max_inflight, served=self._served)
         if self.listen_sock is not None:
             # systemd owns this socket file: never unlinked here. Shims and the CLI only find it at our path.
             bound = self.listen_sock.getsockname()
@@ -307,6 +314,16 @@ class Daemon:
     def retrieval_context(self) -> SearchContext:
         return SearchContext(self.store, self.vectors, self.config.recency_half_life_days)
 
+    def _served(self, request: Request, received: float, ms: float) -> None:
+        if request.op != "hook":
+            self.answered.record(request.op, ms)
+            return
+        kind = f"hook:{request.args.get('event') or request.args.get('agent') or '?'}"
+        self.answered.record(kind, ms)
+        sent = request.args.get("sent_at")
+        if isinstance(sent, int) and not isinstance(sent, bool):
+            self.arrived.record(kind, max(0.0, received * 1000 - sent))
+
     def runtime(self) -> dict[str, Any]:
         """What only the running daemon knows, for the `status` op."""
         tailer = self.tailer.status() if self.tailer else None
@@ -318,6 +335,7 @@ class Daemon:
             "embedder": self.vectors.status(), "tailer": tailer,
             "offload": {**self.offload.status(), "import_parsers": self.history.pool.status()},
             "import": {"running": self.history.active, "files_in_flight": self.history.in_flight},
+            "service": {"answer": self.answered.summary(), "arrival": self.arrived.summary()},
         }
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -16,6 +17,9 @@ from loomd.errors import FrameTooLarge, LoomdError, UnknownOp
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], Awaitable[Any]]
+# Told of each request answered: the request, when its frame was cut (wall clock, seconds) and how long it took to
+# answer (ms, frame cut to reply written): the daemon's own service time, apart from a client's start and connect.
+Served = Callable[[protocol.Request, float, float], None]
 # Health probes answer even under overload, so `loom status` can say why the daemon is busy.
 PROBES = frozenset({"ping", "status"})
 # How long a refused peer has to finish sending before the connection closes (see `Connection.connection_made`).
@@ -43,8 +47,10 @@ def peer_uid(sock: socket.socket) -> int | None:
 class Server:
     """Accepts connections, checks the peer's uid, and serves pipelined requests on each."""
 
-    def __init__(self, handlers: dict[str, Handler], *, max_frame: int, max_inflight: int) -> None:
+    def __init__(self, handlers: dict[str, Handler], *, max_frame: int, max_inflight: int,
+                 served: Served | None = None) -> None:
         self.handlers = handlers
+        self.served = served
         self.max_frame = max_frame
         self.max_inflight = max_inflight
         self.inflight: set[asyncio.Task[None]] = set()
@@ -85,9 +91,14 @@ class Server:
             conn.close()
         return len(pending)
 
-    async def answer(self, body: bytes, conn: Connection) -> None:
-        """One request: decode, dispatch to its handler, reply. Every error becomes an error reply."""
+    async def answer(self, body: bytes, conn: Connection, began: float | None = None) -> None:
+        """One request (its frame cut at perf_counter `began`): decode, dispatch to its handler, reply. Every error
+        becomes an error reply."""
+        now = time.perf_counter()
+        began = now if began is None else began
+        received = time.time() - (now - began)
         rid: Any = None
+        request: protocol.Request | None = None
         try:
             message = protocol.decode_body(body)
             rid = protocol.request_id(message)
@@ -109,6 +120,8 @@ class Server:
             log.exception("internal error in a request")
             reply = protocol.error_reply(rid, "internal", f"internal error: {type(exc).__name__}")
         conn.send(reply)
+        if self.served is not None and request is not None:
+            self.served(request, received, (time.perf_counter() - began) * 1000)
 
 
 class Connection(asyncio.Protocol):
@@ -216,7 +229,7 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def _dispatch(self, body: bytes) -> None:
-        task = asyncio.get_running_loop().create_task(self.server.answer(body, self))
+        task = asyncio.get_running_loop().create_task(self.server.answer(body, self, time.perf_counter()))
         self.tasks.add(task)
         self.server.inflight.add(task)
         task.add_done_callback(self._done)

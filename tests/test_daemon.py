@@ -12,6 +12,7 @@ import sqlite3
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -178,6 +179,23 @@ async def test_replayed_event_is_stored_once(client: AsyncClient) -> None:
     fourth = await client.call("ingest", raw=raw)
     assert (first["stored"], second["stored"], third["stored"], fourth["stored"]) == (1, 0, 1, 0)
     assert (await client.call("status"))["counts"]["events"] == 2
+
+
+async def test_status_says_how_long_each_op_and_hook_kind_took_to_answer_and_to_arrive(client: AsyncClient) -> None:
+    """`status`'s `service`: the daemon's own answer time per op (a hook by its kind) and a hook's arrival time (the
+    shim's send time to the frame read), apart from what the client's process spent; client-named kinds are bounded."""
+    sent = int(time.time() * 1000)
+    await client.call("hook", raw=hook_payload(event="Stop", last_assistant_message="done"), eid="svc-1",
+                      event="Stop", sent_at=sent)
+    await client.call("ping")
+    for n in range(200):  # kinds a client names: the daemon keeps a bounded number of them
+        await client.call("hook", raw=hook_payload(event="Stop"), eid=f"svc-k{n}", event=f"Made{n}", sent_at=sent)
+    service = (await client.call("status"))["service"]
+    stop = service["answer"]["hook:Stop"]
+    assert stop["n"] == 1 and 0 < stop["p50_ms"] <= stop["max_ms"], service
+    assert service["answer"]["ping"]["n"] == 1 and "hook:Stop" in service["arrival"], service
+    assert service["arrival"]["hook:Stop"]["max_ms"] >= 0, service
+    assert len(service["answer"]) <= 129 and service["answer"]["other"]["n"] >= 200 - 128, sorted(service["answer"])
 
 
 def test_sigterm_exits_zero_and_removes_the_socket(daemon_process, home: Path) -> None:

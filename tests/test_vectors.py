@@ -4,6 +4,7 @@ numpy cosine over the same blobs, and against the daemon's own semantic search."
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -192,3 +193,37 @@ async def test_a_memory_deleted_while_the_back_fill_is_held_is_not_kept_waiting_
     held_checks = [to_check for held, to_check in checks if held]
     assert held_checks, checks  # the back-fill really was held after the purge
     assert all(to_check == 0 for to_check in held_checks), checks
+
+
+def burst_hook(i: int) -> bytes:
+    return json.dumps({"session_id": "burst", "cwd": "/tmp/burst", "hook_event_name": "PostToolUse",
+                       "tool_name": "Bash", "tool_use_id": f"mid-{i}", "tool_input": {"command": f"make {i}"},
+                       "tool_response": {"stdout": "ok", "stderr": ""}}).encode()
+
+
+async def test_a_back_fill_batch_begun_in_a_pause_waits_between_its_texts_while_hooks_arrive(
+        client: AsyncClient) -> None:
+    """A batch the back-fill began while no hook arrived yields to the hooks that come while it is embedded: its
+    texts go to the model one at a time, each after the hooks have paused, so none of its vectors is written while
+    they stream (the batch went to the model whole, and ran on through them); once they pause it is finished."""
+    await client.call("store", text=TEXTS[0], project="p")
+    start = await caught_up(client)
+    await client.call("hook", raw=burst_hook(0), event="PostToolUse", eid="mid-0")  # held: the 8 make one batch
+    for text in TEXTS[1:9]:
+        await client.call("store", text=text, project="p")
+    for _ in range(5000):  # until the batch is with the model
+        status = await client.call("status")
+        if status["offload"]["in_flight"] and not status["embedder"]["held"]:
+            break
+        await asyncio.sleep(0.001)
+    else:
+        raise AssertionError(f"the back-fill never began its batch: {status}")
+    during = []
+    for i in range(1, 40):  # hooks every 50 ms for about 2 s: the back-fill stays held
+        await client.call("hook", raw=burst_hook(i), event="PostToolUse", eid=f"mid-{i}")
+        during.append((await client.call("status"))["embedder"])
+        await asyncio.sleep(0.05)
+    assert all(e["embedded"] == start["embedded"] for e in during), [e["embedded"] for e in during]
+    assert during[-1]["yielded"] >= 1 and during[-1]["held"], during[-1]
+    done = await caught_up(client)
+    assert done["embedded"] == start["embedded"] + 8 and done["vectors"] == start["vectors"] + 8, done

@@ -19,7 +19,7 @@ import aiosqlite
 
 from loomd.errors import ExtensionError, StorageError
 from loomd.store.migrations import MIGRATIONS
-from loomd.store.turns import Holds, WriteTurns
+from loomd.store.turns import Durations, WriteTurns
 from loomd.store.wal import WalSync
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class Store:
         return cls(path, writer, reader)
 
     @property
-    def holds(self) -> Holds:
+    def holds(self) -> Durations:
         """How long each holder kept the writer (`status`)."""
         return self._write_lock.holds
 

@@ -12,28 +12,32 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
 
-# Who is holding the writer, for `Holds`: a task sets it once for what it writes (a worker's run, the back-fill, the
-# event writer); anything else is "other".
+# Who is holding the writer, for `WriteTurns.holds`: a task sets it once for what it writes (a worker's run, the
+# back-fill, the event writer); anything else is "other".
 HOLDER: ContextVar[str] = ContextVar("writer_holder", default="other")
-HOLDS_KEPT = 4096  # per holder: the last this many holds make its percentiles
+HOLDS_KEPT = 4096  # per key: the last this many durations make its percentiles
 
 
-class Holds:
-    """How long each holder kept the writer, turn taken to turn passed on: what a hook's commit can wait behind
-    (`status`'s `writer`)."""
+class Durations:
+    """Durations in milliseconds by key, for `status`: how long each holder kept the writer, turn taken to turn
+    passed on (what a hook's commit can wait behind; `writer`), and how long the daemon took to answer each op
+    (`service`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_keys: int | None = None) -> None:
         self._ms: dict[str, deque[float]] = {}
         self._count: dict[str, int] = {}
         self._max: dict[str, float] = {}
+        self.max_keys = max_keys  # keys named by clients (an op, a hook's event): past this many, one "other"
 
     def record(self, holder: str, ms: float) -> None:
+        if self.max_keys is not None and holder not in self._ms and len(self._ms) >= self.max_keys:
+            holder = "other"
         self._ms.setdefault(holder, deque(maxlen=HOLDS_KEPT)).append(ms)
         self._count[holder] = self._count.get(holder, 0) + 1
         self._max[holder] = max(self._max.get(holder, 0.0), ms)
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """Per holder: holds so far, the total and the worst; p50/p90/p99 of the last HOLDS_KEPT (milliseconds)."""
+        """Per key: how many so far and the worst; p50/p90/p99 of the last HOLDS_KEPT (milliseconds)."""
         out: dict[str, dict[str, Any]] = {}
         for holder, kept in sorted(self._ms.items()):
             xs = sorted(kept)
@@ -52,7 +56,7 @@ class WriteTurns:
         self._held = False
         self._urgent: deque[asyncio.Future[None]] = deque()
         self._normal: deque[asyncio.Future[None]] = deque()
-        self.holds = Holds()
+        self.holds = Durations()
 
     @property
     def waiting(self) -> int:

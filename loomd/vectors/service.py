@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,37 @@ log = logging.getLogger(__name__)
 EMBED_NICENESS = 10
 
 
+# The local model embeds a back-fill batch this many texts per call, and between two calls waits while the back-fill
+# is held (hooks arriving, an import: `hold`). A batch begun in a pause of the hooks otherwise ran on through the
+# next hooks, as one call of the model the CPU (2 here) could not take back: about 60 ms of CPU per text here, 0.35 s
+# at the median (1.4 s at worst) for a batch of 8 on a busy machine. A text a call costs no more CPU per text (the
+# model has no batch gain on one thread; it measured the same for 1, 2, 4 and 8) and one trip to the offload
+# process more, about 1 ms.
+EMBED_STEP = 1
+
+
+class Yielding:
+    """The back-fill's embedder: the local model's calls EMBED_STEP texts at a time, each after `hold()` has passed
+    (or the service is closing: shutdown waits for the batch in flight). Blocking: on the back-fill's thread."""
+
+    def __init__(self, embedder: Embedder, hold: Callable[[], bool], closing: threading.Event) -> None:
+        self.embedder = embedder
+        self.name, self.dim = embedder.name, embedder.dim
+        self.hold = hold
+        self.closing = closing
+        self.waits = 0  # calls that waited for the hold first (`status`: `embedder.yielded`)
+
+    def embed(self, texts: list[str]) -> list[bytes]:
+        out: list[bytes] = []
+        for start in range(0, len(texts), EMBED_STEP):
+            if self.hold() and not self.closing.is_set():
+                self.waits += 1
+                while self.hold() and not self.closing.wait(VectorService.HOLD_POLL_S):
+                    pass
+            out += self.embedder.embed(texts[start : start + EMBED_STEP])
+        return out
+
+
 # What the back-fill retries after (a locked or full disk included) instead of dying for the daemon's lifetime.
 BACKFILL_RETRY: tuple[type[Exception], ...] = (EmbedderError, StorageError, ValueError, *DB_ERRORS)
 RECOUNT_CHUNK = 64
@@ -69,6 +101,8 @@ class VectorService:
         self.error = ""
         self.embedder: Embedder | None = None
         self._query_embedder: Embedder | None = None
+        self._backfill_embedder: Embedder | None = None
+        self._closing = threading.Event()
         self.index: BitIndex | None = None
         self.pending = 0
         self.generation = 0  # bumped by every memory write: caches of counts check it
@@ -85,9 +119,15 @@ class VectorService:
         self._queries = 0
         self.private = PrivateProjects(store.path.parent / PRIVATE_FILE)  # `loom project private`
         self._private_keys = self.private.current()
-        # The back-fill yields the CPU; a search's thread (what a person or a hook waits on) does not.
+        # With the model in this process, the back-fill's thread runs it and yields the CPU; a search's thread (what a
+        # person or a hook waits on) does not. With the model in the offload process (the daemon's case), that
+        # process's lane yields the CPU, and this thread stays at the daemon's priority: it plans each batch in
+        # Python, holding the interpreter lock, and niced, preempted while holding it, it held the event loop (and
+        # every hook) until it next got a CPU: the loop stalled up to 0.6 s on a busy machine, most of its stalls
+        # while a batch was planned.
+        nice = EMBED_NICENESS if offload is None else 0
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="loomd-backfill",
-                                        initializer=functools.partial(lower_thread_priority, EMBED_NICENESS))
+                                        initializer=functools.partial(lower_thread_priority, nice) if nice else None)
         self._query = ThreadPoolExecutor(1, thread_name_prefix="loomd-query")
         # True while the back-fill must wait (`loom import` runs, or live hooks arrive: the daemon sets it). On a
         # 2-CPU machine the model took as much CPU as the import's parsing and commits together (niceness cannot
@@ -117,6 +157,9 @@ class VectorService:
         # In the offload process a query has a lane of its own: it never waits behind a back-fill batch.
         self._query_embedder = (self.embedder.on_lane("query") if isinstance(self.embedder, ChildEmbedder)
                                 else self.embedder)
+        # A remote provider's batch costs this machine no CPU to speak of: one request.
+        self._backfill_embedder = (Yielding(self.embedder, lambda: self.hold(), self._closing)
+                                   if self.embedder.name == LOCAL_NAME else self.embedder)
         await loop.run_in_executor(self._bulk, release_memory)  # the model file's bytes and the graph rewrite
         try:
             self.index = await loop.run_in_executor(self._bulk, self._open_index)
@@ -161,6 +204,7 @@ class VectorService:
 
     async def close(self) -> None:
         """Let the worker threads finish what they run (one batch at most), then close the read connection."""
+        self._closing.set()  # a batch waiting for the hold between two texts goes on at once
         for pool in (self._query, self._bulk):
             await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)
         if self._conn is not None:
@@ -219,6 +263,8 @@ class VectorService:
             "to_check": len(self._dirty) + len(self._written),  # ids written since the last batch, not checked yet
             "caught_up": self.caught_up, "embedded": self.embedded, "copied": self.copied,
             "held": self.state == "ready" and self.hold(),  # waiting for an import to finish, or hooks to pause
+            # calls of the model that waited for the hold in the middle of a batch (begun in a pause of the hooks)
+            "yielded": self._backfill_embedder.waits if isinstance(self._backfill_embedder, Yielding) else 0,
         }
         if self.error:
             out["error"] = self.error
@@ -265,7 +311,7 @@ class VectorService:
             self.pending = 0
             return None
         try:
-            plan = plan_batch(conn, self.embedder, self.index, batch)
+            plan = plan_batch(conn, self._backfill_embedder or self.embedder, self.index, batch)
         except BaseException:
             # Not embedded (the provider failed, the offload process died): the retry must find these again.
             self._cursor = min(self._cursor, cursor)
@@ -283,9 +329,11 @@ class VectorService:
         gone = await commit_in_one_trip(self.store, functools.partial(apply_plan, plan=plan))  # held for the statements
         # Recounting recurrence touches every partner's pairs: small transactions, so ingest never waits long.
         affected = sorted(plan.recurrence - gone)
+        # Each in one trip to the writer's thread, the log's fsync after the writer is passed on (`atomic` held it
+        # through its FULL commit's fsync, which a hook's commit waited behind).
         for start in range(0, len(affected), RECOUNT_CHUNK):
-            async with self.store.atomic() as db:
-                await update_recurrence(db, affected[start : start + RECOUNT_CHUNK])
+            await commit_in_one_trip(self.store, functools.partial(update_recurrence,
+                                                                   ids=affected[start : start + RECOUNT_CHUNK]))
         if self.index is None:
             self.index = BitIndex(plan.model, len(plan.rows[0][2]) // 4)  # the provider's first vectors
         self.index.upsert(row for row in plan.index_rows if row.id not in gone)
