@@ -67,10 +67,14 @@ class Yielding:
         for start in range(0, len(texts), EMBED_STEP):
             if self.hold() and not self.closing.is_set():
                 self.waits += 1
-                while self.hold() and not self.closing.wait(VectorService.HOLD_POLL_S):
-                    pass
+                self._wait_out_hold()
             out += self.embedder.embed(texts[start : start + EMBED_STEP])
         return out
+
+    def _wait_out_hold(self) -> None:
+        while self.hold():
+            if self.closing.wait(VectorService.HOLD_POLL_S):
+                return
 
 
 # What the back-fill retries after (a locked or full disk included) instead of dying for the daemon's lifetime.
