@@ -37,8 +37,14 @@ class Request:
     args: dict[str, Any]
 
 
+# msgpack's own starting buffer is 256 KiB: in the daemon, whose malloc hands out blocks of that size as fresh
+# mappings (`vectors.embed` pins the threshold), every frame mapped and unmapped one (a munmap in a threaded process
+# interrupts its other CPUs). Most frames are small; a big one grows the buffer as it needs.
+FRAME_BUFFER = 4096
+
+
 def encode_frame(message: dict[str, Any]) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True)
+    body = msgpack.packb(message, use_bin_type=True, buf_size=FRAME_BUFFER)
     return HEADER.pack(len(body)) + body
 
 
