@@ -38,9 +38,38 @@ async def test_durable_commit_waits_for_the_logs_sync_without_holding_the_writer
     assert [r[0] for r in rows] == ["after", "durable", "meanwhile"]
 
 
-async def test_a_full_commit_counts_as_a_sync_of_every_commit_before_it(store: Store) -> None:
+async def test_an_atomic_transaction_returns_after_a_sync_of_every_commit_before_it(store: Store) -> None:
     await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
     _, mark = await store.commit_on_thread(insert("quick"), durable=False)
-    async with store.atomic() as db:  # synchronous FULL: its COMMIT syncs the log
+    async with store.atomic() as db:  # it returns after a sync of the log begun after its COMMIT
         await db.execute("INSERT INTO wal_probe (key, value) VALUES ('full', 'full')")
     assert store.durable_commits > mark
+
+
+async def test_an_atomic_transaction_waits_for_the_logs_sync_without_holding_the_writer(store: Store) -> None:
+    await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
+    gate = threading.Event()
+    # The sync thread busy: the fsync after the transaction's COMMIT cannot begin until the gate opens.
+    blocked = asyncio.get_running_loop().run_in_executor(store.wal._pool, gate.wait)  # noqa: SLF001 - its thread
+
+    async def write() -> None:
+        async with store.atomic() as db:
+            await db.execute("INSERT INTO wal_probe (key, value) VALUES ('atomic', 'atomic')")
+
+    atomic = asyncio.create_task(write())
+    try:
+        for _ in range(1000):
+            if store.wal._waiting:  # noqa: SLF001 - committed, waiting for its sync
+                break
+            await asyncio.sleep(0.005)
+        assert not atomic.done()
+        # A FULL commit held the writer for its fsync; now another transaction commits while the first waits.
+        await asyncio.wait_for(store.commit_on_thread(insert("meanwhile"), durable=False), 30)
+        assert not atomic.done()
+    finally:
+        gate.set()
+        await blocked
+    await asyncio.wait_for(atomic, 30)
+    rows = await store.fetchall("SELECT key FROM wal_probe ORDER BY key")
+    assert [r[0] for r in rows] == ["atomic", "meanwhile"]
+

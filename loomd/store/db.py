@@ -105,7 +105,7 @@ def migrate(conn: sqlite3.Connection, path: Path | str) -> int:
 
 # FULL: an acknowledged event must survive a power cut, not only a crash; group commit pays for it. In WAL mode a
 # FULL commit syncs the whole log: every transaction committed before it, however committed, is on disk after it.
-# (`Store.commit_on_thread` commits NORMAL and syncs the log after it, outside the writer's turn: `store.wal`.)
+# (The daemon's writer commits NORMAL and syncs the log after it, outside the writer's turn: `store.wal`, `Store`.)
 SYNCHRONOUS = "FULL"
 
 
@@ -224,6 +224,9 @@ class Store:
     async def open(cls, path: Path, *, busy_timeout_ms: int = 5000) -> Store:
         # Open and check on a plain thread: a refused file then leaves no aiosqlite worker thread behind.
         conn = await asyncio.to_thread(open_checked, path, busy_timeout_ms=busy_timeout_ms)
+        # Each commit is made durable by a sync of the log after it, outside the writer's turn (`store.wal`): the
+        # COMMIT itself does not wait for the disk (a PRAGMA each way around every transaction cost two statements).
+        conn.execute("PRAGMA synchronous = NORMAL")
         writer = aiosqlite.Connection(lambda: conn, 64)
         try:
             await writer
@@ -256,7 +259,8 @@ class Store:
 
     @asynccontextmanager
     async def atomic(self) -> AsyncIterator[aiosqlite.Connection]:
-        """One write transaction at a time, durable; rolled back on any exception, cancellation included. (What
+        """One write transaction at a time, durable: it returns after an fsync of the log begun after its COMMIT,
+        with the writer passed on already (`WalSync`); rolled back on any exception, cancellation included. (What
         commits without waiting for the disk, or before the waiting transactions, goes through `commit_on_thread`.)"""
         async with self._write_lock.hold():
             try:
@@ -265,9 +269,7 @@ class Store:
                 # queues behind whatever statement is still running, so it always undoes the right thing.
                 await self.writer.execute("BEGIN IMMEDIATE")
                 yield self.writer
-                ticket = self.wal.begin()  # a FULL commit syncs the log: every commit before it is on disk after it
                 await self.writer.execute("COMMIT")
-                self.wal.finished(ticket)
             except BaseException as exc:
                 # Nothing to roll back (BEGIN failed) or SQLite already did (a full disk, an I/O error): noise.
                 with contextlib.suppress(*DB_ERRORS):
@@ -275,6 +277,7 @@ class Store:
                 if isinstance(exc, DB_ERRORS) and not isinstance(exc, DB_BUGS):
                     raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
                 raise
+        await self.wal.after_commit()
 
     async def commit_on_thread(self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True,
                                urgent: bool = False) -> tuple[T, int]:
@@ -312,7 +315,12 @@ class Store:
         """The writer with no transaction open, no other write running: for what cannot run inside one (VACUUM, a
         WAL checkpoint, a PRAGMA for what follows). The caller begins and ends its own transactions."""
         async with self._write_lock.hold():
-            yield self.writer
+            # Its commits wait for the disk themselves (purge's, VACUUM's): nothing syncs the log after them here.
+            await self.writer.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
+            try:
+                yield self.writer
+            finally:
+                await asyncio.shield(self.writer.execute("PRAGMA synchronous = NORMAL"))
 
     async def fetchall(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
         # One trip to the reader's thread (execute, fetch and close there), not three: on the hook path each trip
@@ -340,19 +348,15 @@ class Abandoned(Exception):
 
 def _transaction(fn: Callable[[sqlite3.Connection], T], abandoned: threading.Event, conn: sqlite3.Connection) -> T:
     """`Store.commit_on_thread` on the writer's thread: runs to its end (COMMIT, or ROLLBACK if the caller was
-    cancelled meanwhile), so the connection always leaves its transaction and gets its durable setting back."""
-    conn.execute("PRAGMA synchronous = NORMAL")  # the log is synced after the COMMIT, outside the writer's turn
+    cancelled meanwhile), so the connection always leaves its transaction."""
+    conn.execute("BEGIN IMMEDIATE")
     try:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            result = fn(conn)
-            if abandoned.is_set():
-                raise Abandoned
-            conn.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(*DB_ERRORS):
-                conn.execute("ROLLBACK")
-            raise
-    finally:
-        conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
+        result = fn(conn)
+        if abandoned.is_set():
+            raise Abandoned
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(*DB_ERRORS):
+            conn.execute("ROLLBACK")
+        raise
     return result

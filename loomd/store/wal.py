@@ -29,7 +29,7 @@ class WalSync:
     def __init__(self, db: Path) -> None:
         self.db = db
         self.wal = db.with_name(db.name + "-wal")
-        self.started = 0  # syncs begun (a FULL commit is one, see `Store.atomic`)
+        self.started = 0  # syncs begun
         self.done = 0  # the highest ticket of a completed sync
         self.syncs = 0  # fsyncs run here (`commits / syncs` is how many shared one)
         self._waiting: list[asyncio.Future[int]] = []  # commits that ended since the running sync began
@@ -40,7 +40,7 @@ class WalSync:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="loomd-wal-sync")
 
     def begin(self) -> int:
-        """A sync begins now (a FULL commit's own, say): its ticket."""
+        """A sync begins now: its ticket."""
         self.started += 1
         return self.started
 
