@@ -116,8 +116,9 @@ class GC:
         if scope is None:
             report.detail["skipped"] = "gc is off (config gc = false): it runs only when asked"
             return
-        deleted: set[int] = set()
-        async with ctx.write(req.dry_run) as db:
+
+        async def collect(db: aiosqlite.Connection) -> tuple[set[int], set[int]]:
+            deleted: set[int] = set()
             protected = await working_set(db, cfg, now)
             before = report.items_out
             await self.expire(db, cfg, now, protected, report, scope)
@@ -134,6 +135,12 @@ class GC:
                 await self.purge_events(db, cfg, now, report, scope)
                 await self.prune_sessions(db, cfg, now, report, scope)
             await progress(db, report, 0, report.items_out - before)
+            return protected, deleted
+
+        # One transaction in one trip to the writer's thread (`WorkerContext.commit`): a trip per statement waited
+        # each time for the event loop's turn while GC held the writer (its run held it up to 105 ms during a
+        # catch-up, and the hooks' commits waited behind).
+        protected, deleted = await ctx.commit(req.dry_run, collect)
         if deleted and not req.dry_run:
             ctx.memories.gone(sorted(deleted))
         report.detail["protected"] = len(protected)
