@@ -340,3 +340,28 @@ async def test_real_hook_payload_files_are_all_accepted(client: AsyncClient) -> 
     assert total >= 150 and stored == len(distinct)
     kinds = {e["kind"] for e in stats["events"]}
     assert {"PreToolUse", "PostToolUse", "UserPromptSubmit", "SessionStart", "Stop", "PreCompact"} <= kinds
+
+
+SLOW_COUNT = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 20000000)"
+              " SELECT count(*) FROM c")
+
+
+async def test_the_workers_read_on_a_connection_of_their_own_so_a_recall_never_queues_behind_them(
+        quiet: tuple[Daemon, AsyncClient]) -> None:
+    """The observer's reads (chunks of full payloads) run on the store's `background` reader, the hooks' recalls on
+    `reader`: while either is busy with a long query, the other side's work is done at once."""
+    daemon, client = quiet
+    await client.call("store", text="Decision: the flaky upload test retries on a 502 from the proxy",
+                      kind="decision", project="/x/proj")
+    await client.call("ingest", raw=hook_payload(event="UserPromptSubmit", prompt="why is the upload test flaky?"),
+                      event="")
+    slow = asyncio.create_task(daemon.store.fetchall(SLOW_COUNT, background=True))
+    await asyncio.sleep(0.05)  # the count is on the workers' reader's thread
+    found = await client.call("search", query="flaky upload test", project="/x/proj")
+    assert found["results"] and not slow.done(), found
+    assert (await slow)[0][0] == 20000000
+    slow = asyncio.create_task(daemon.store.fetchall(SLOW_COUNT))
+    await asyncio.sleep(0.05)  # now on the hooks' reader's thread
+    run = await client.call("workers_run", name="observer", session_id="s1")
+    assert run["outcome"] == "ok" and run["items_in"] == 1 and not slow.done(), run
+    assert (await slow)[0][0] == 20000000

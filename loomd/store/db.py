@@ -213,10 +213,14 @@ async def on_thread(db: aiosqlite.Connection, fn: Callable[[sqlite3.Connection],
 class Store:
     """Owns the database. Writes go through `atomic()` (serialised); reads use a second connection."""
 
-    def __init__(self, path: Path, writer: aiosqlite.Connection, reader: aiosqlite.Connection) -> None:
+    def __init__(self, path: Path, writer: aiosqlite.Connection, reader: aiosqlite.Connection,
+                 background: aiosqlite.Connection) -> None:
         self.path = path
         self.writer = writer
         self.reader = reader
+        # The workers' reads (the observer's chunks of full payloads) on a connection and thread of their own: on the
+        # shared reader a hook's recall queued behind them (a UserPromptSubmit answered in 100 ms during a catch-up).
+        self.background = background
         self._write_lock = WriteTurns()
         self.wal = WalSync(path)  # the log's fsyncs, shared by the commits that wait for the disk
 
@@ -234,7 +238,13 @@ class Store:
         except BaseException:
             await writer.close()
             raise
-        return cls(path, writer, reader)
+        try:
+            background = await open_reader(path, busy_timeout_ms=busy_timeout_ms)
+        except BaseException:
+            await reader.close()
+            await writer.close()
+            raise
+        return cls(path, writer, reader, background)
 
     @property
     def holds(self) -> Durations:
@@ -253,6 +263,7 @@ class Store:
 
     async def close(self) -> None:
         async with self._write_lock.hold():
+            await self.background.close()
             await self.reader.close()
             await self.writer.close()
         await self.wal.close()  # the syncs owed to the last commits
@@ -322,14 +333,16 @@ class Store:
             finally:
                 await asyncio.shield(self.writer.execute("PRAGMA synchronous = NORMAL"))
 
-    async def fetchall(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
+    async def fetchall(self, sql: str, params: Iterable[Any] = (), *, background: bool = False) -> list[sqlite3.Row]:
+        """The query's rows; `background`: on the workers' own reader (`background`), not the hooks' one."""
         # One trip to the reader's thread (execute, fetch and close there), not three: on the hook path each trip
         # costs about as much as a small query.
-        return list(await self.reader.execute_fetchall(sql, tuple(params)))
+        return list(await (self.background if background else self.reader).execute_fetchall(sql, tuple(params)))
 
-    async def fetchone(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Row | None:
+    async def fetchone(self, sql: str, params: Iterable[Any] = (), *,
+                       background: bool = False) -> sqlite3.Row | None:
         """The first row of a query that yields one (a lookup by key, an aggregate)."""
-        rows = await self.fetchall(sql, params)
+        rows = await self.fetchall(sql, params, background=background)
         return rows[0] if rows else None
 
     async def scalar(self, sql: str, params: Iterable[Any] = ()) -> Any:

@@ -175,7 +175,7 @@ class Observer:
             " (SELECT coalesce(sum(e.tokens), 0) FROM events e WHERE e.session_id = s.id"
             "   AND e.id > coalesce(CAST(c.value AS INTEGER), 0)) AS pending,"
             " (SELECT max(e.received) FROM events e WHERE e.session_id = s.id) AS last_received"
-            " FROM sessions s LEFT JOIN checkpoints c ON c.name = 'observer:' || s.id")
+            " FROM sessions s LEFT JOIN checkpoints c ON c.name = 'observer:' || s.id", background=True)
         due = []
         for row in rows:
             if not row["pending"]:
@@ -248,7 +248,7 @@ class Observer:
             return req.final
         row = await ctx.store.fetchone(
             "SELECT s.ended, (SELECT max(received) FROM events WHERE session_id = s.id) FROM sessions s"
-            " WHERE s.id = ?", (session_id,))
+            " WHERE s.id = ?", (session_id,), background=True)
         if row is None:
             return False
         return row[0] is not None or (row[1] is not None and row[1] < time.time() - ctx.config().observe_idle_s)
@@ -258,7 +258,7 @@ class Observer:
         """Earlier events of the session: pairing a result with its call, and the history of failures."""
         rows = await ctx.store.fetchall(
             f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND id <= ? ORDER BY id DESC LIMIT ?",
-            (session_id, watermark, CONTEXT_EVENTS))
+            (session_id, watermark, CONTEXT_EVENTS), background=True)
         context = [SourceEvent.from_row(r) for r in reversed(rows)]
         have = {e.id for e in context} | {e.id for e in events}
         wanted = {f"tu:{e.tool_use_id}" for e in events if e.kind == "tool_result" and e.tool_use_id}
@@ -266,7 +266,7 @@ class Observer:
             marks = ",".join("?" * len(wanted))
             rows = await ctx.store.fetchall(
                 f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND dedup IN ({marks})",
-                (session_id, *sorted(wanted)))
+                (session_id, *sorted(wanted)), background=True)
             context.extend(SourceEvent.from_row(r) for r in rows if r["id"] not in have)
         return sorted(context, key=lambda e: e.id)
 
@@ -274,16 +274,17 @@ class Observer:
                      model: ModelDistiller | None) -> AsyncGenerator[Chunk, None]:
         """The session's unobserved events, chunk after chunk, each read and distilled (nothing written): the
         watermark each one is read from is the one the chunk before it moves to once written."""
-        session = await ctx.store.fetchone("SELECT project, agent FROM sessions WHERE id = ?", (session_id,))
+        session = await ctx.store.fetchone("SELECT project, agent FROM sessions WHERE id = ?", (session_id,),
+                                           background=True)
         if session is None:
             return
         project, agent = session["project"], session["agent"]
         final = await self._final(ctx, session_id, req)
-        watermark = await get_int_checkpoint(ctx.store.reader, watermark_name(session_id))
+        watermark = await get_int_checkpoint(ctx.store.background, watermark_name(session_id))
         while True:
             rows = await ctx.store.fetchall(
                 f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?",
-                (session_id, watermark, CHUNK_EVENTS))
+                (session_id, watermark, CHUNK_EVENTS), background=True)
             if not rows:
                 return
             events = [SourceEvent.from_row(r) for r in rows]
