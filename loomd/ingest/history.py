@@ -31,7 +31,7 @@ from loomd.errors import BadRequest, ChildDied
 from loomd.ingest.events import Event
 from loomd.ingest.sessionfile import read_session_file
 from loomd.ingest.tailer import Tailer
-from loomd.ingest.transcript import Format, detect_format
+from loomd.ingest.transcript import Format, detect_format, loads
 from loomd.ingest.transcript import _ts as transcript_ts
 from loomd.ingest.writer import Processor
 from loomd.offload import Offload
@@ -143,7 +143,7 @@ def describe(path: Path, done: dict[str, Any] | None) -> HistoryFile | None:
 
 
 def _array(path: Path) -> list[dict[str, Any]]:
-    data = json.loads(path.read_bytes())  # detect_format has parsed it already: it is a list
+    data = loads(path.read_bytes())  # detect_format has parsed it already: it is a list
     return [o for o in data if isinstance(o, dict)]
 
 
@@ -178,7 +178,7 @@ def _count_lines(path: Path) -> int:
 
 def _loads(raw: bytes) -> dict[str, Any] | None:
     try:
-        obj = json.loads(raw)
+        obj = loads(raw)  # as the parsers decode a line
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None

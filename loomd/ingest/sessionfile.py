@@ -8,10 +8,7 @@ memory for each.
 
 from __future__ import annotations
 
-import logging
-import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +18,15 @@ from loomd.ingest.transcript import (
     CodexState,
     Format,
     TranscriptItem,
-    decode_lines,
+    codex_state_for,
     detect_format,
+    file_objects,
     loads,
     parse_claude_line,
     parse_codex_line,
     read_subagent_meta,
 )
 from loomd.redact import redact_value
-
-log = logging.getLogger(__name__)
-
-_UUID_RE = re.compile(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\.jsonl$")
-READ_BLOCK = 1 << 20
 
 
 def to_event(
@@ -64,12 +57,6 @@ def to_event(
     )
 
 
-def codex_state_for(path: Path) -> CodexState:
-    # The rollout name ends in the session uuid; session_meta on line 1 normally confirms it.
-    m = _UUID_RE.search(path.name)
-    return CodexState(session_id=m.group(1) if m else "")
-
-
 def parse_line(obj: dict[str, Any], fmt: Format, state: CodexState, max_chars: int) -> list[TranscriptItem]:
     """One transcript line's items, each text kept up to `max_tool_output_chars` (the hooks' limit too)."""
     if fmt == "codex":
@@ -96,7 +83,7 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
             items = [i for o in data if isinstance(o, dict) for i in parse_line(o, fmt, state, limit)]
             del data
         else:
-            items = [i for o in _objects(p) for i in parse_line(o, fmt, state, limit)]
+            items = [i for o in file_objects(p) for i in parse_line(o, fmt, state, limit)]
     except OSError as exc:
         raise BadRequest(f"cannot read {p}: {exc.strerror or exc}") from exc
     fallback = session_id or next((i.session_id for i in items if i.session_id), "") or p.stem
@@ -110,31 +97,3 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
                                max_chars=limit, subagent=subagent, meta=meta))
     precompute(events)
     return fmt, events
-
-
-def _objects(p: Path) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a JSONL file's lines, in order, decoded a block at a time as they are read (a line that is
-    not a JSON object is skipped with a warning, as `transcript.read_lines` does); the last line may lack its newline
-    (then a line that does not parse is the end of a file cut mid-write, not worth a warning)."""
-    bad = 0
-    pending: list[bytes] = []  # the start of a line still being read (a screenshot's line can be megabytes)
-    with p.open("rb") as fh:
-        while block := fh.read(READ_BLOCK):
-            cut = block.rfind(b"\n")
-            if cut < 0:
-                pending.append(block)
-                continue
-            objs, skipped = decode_lines(b"".join([*pending, block[:cut]]).split(b"\n"))
-            pending = [block[cut + 1:]]
-            bad += skipped
-            yield from objs
-    rest = b"".join(pending)
-    if bad:
-        log.warning("skipped %d unparsable lines in %s", bad, p)
-    if rest.strip():
-        try:
-            last = loads(rest.strip())
-        except ValueError:
-            return
-        if isinstance(last, dict):
-            yield last

@@ -39,11 +39,12 @@ import watchfiles
 from loomd.config import Config
 from loomd.errors import Busy, LoomdError
 from loomd.ingest.events import Event
-from loomd.ingest.sessionfile import codex_state_for, parse_line, read_session_file, to_event
+from loomd.ingest.sessionfile import parse_line, read_session_file, to_event
 from loomd.ingest.transcript import (
     CodexState,
     Format,
     TranscriptItem,
+    codex_state_for,
     detect_format,
     loads,
     parse_claude_line,

@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -556,6 +557,7 @@ def decode_lines(lines: list[bytes]) -> tuple[list[dict[str, Any]], int]:
 
 # How one line or array element bears on the format of its file.
 _Verdict = Literal["claude", "codex", "unknown", "foreign"]
+READ_BLOCK = 1 << 20  # `file_objects` reads a whole file this much at a time
 _SNIFF_LINES = 50  # known lines a JSONL file is judged on ...
 _SNIFF_MAX_LINES = 1000  # ... looked for among at most this many (unknown kinds do not count)
 
@@ -624,27 +626,43 @@ def detect_format(path: Path) -> Format | None:
     return _decide(verdicts)
 
 
-def _all_lines(path: Path) -> list[dict[str, Any]]:
-    objs: list[dict[str, Any]] = []
-    offset = 0
-    while True:
-        chunk, new_offset = read_lines(path, offset)
-        objs.extend(chunk)
-        if new_offset == offset:
-            break
-        offset = new_offset
-    # A finished file may lack its final newline; the tailer waits for it, a one-shot parse need not.
+_ROLLOUT_UUID_RE = re.compile(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\.jsonl$")
+
+
+def codex_state_for(path: Path) -> CodexState:
+    """A Codex rollout's parse state to begin with: the file's name ends in the session uuid (session_meta on line 1
+    normally confirms it)."""
+    m = _ROLLOUT_UUID_RE.search(path.name)
+    return CodexState(session_id=m.group(1) if m else "")
+
+
+def file_objects(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a whole JSONL file's lines, in order, decoded a block at a time as they are read (a line
+    that is not a JSON object is skipped with a warning, as `read_lines` does). A finished file may lack its final
+    newline: the tailer waits for it, a one-shot read need not (a last line that does not parse is the end of a file
+    cut mid-write, not worth a warning)."""
+    bad = 0
+    pending: list[bytes] = []  # the start of a line still being read (a screenshot's line can be megabytes)
     with path.open("rb") as fh:
-        fh.seek(offset)
-        tail = fh.read().strip()
-    if tail:
+        while block := fh.read(READ_BLOCK):
+            cut = block.rfind(b"\n")
+            if cut < 0:
+                pending.append(block)
+                continue
+            objs, skipped = decode_lines(b"".join([*pending, block[:cut]]).split(b"\n"))
+            pending = [block[cut + 1:]]
+            bad += skipped
+            yield from objs
+    rest = b"".join(pending)
+    if bad:
+        log.warning("skipped %d unparsable lines in %s", bad, path)
+    if rest.strip():
         try:
-            obj = loads(tail)
+            last = loads(rest.strip())
         except ValueError:
-            obj = None
-        if isinstance(obj, dict):
-            objs.append(obj)
-    return objs
+            return
+        if isinstance(last, dict):
+            yield last
 
 
 def _subagent_id(path: Path) -> str | None:
@@ -662,14 +680,11 @@ def parse_file(path: Path, *, max_chars: int = 4000) -> list[TranscriptItem]:
     fmt = detect_format(path)
     items: list[TranscriptItem] = []
     if fmt == "codex":
-        state = CodexState()
-        # The rollout file name ends in the session uuid; session_meta normally overrides it on line 1.
-        m = re.search(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\.jsonl$", path.name)
-        state.session_id = m.group(1) if m else ""
-        for obj in _all_lines(path):
+        state = codex_state_for(path)
+        for obj in file_objects(path):
             items.extend(parse_codex_line(obj, state, max_chars=max_chars))
     elif fmt in ("claude", "claude_array"):
-        objs = loads(path.read_bytes()) if fmt == "claude_array" else _all_lines(path)
+        objs = loads(path.read_bytes()) if fmt == "claude_array" else file_objects(path)
         for obj in objs:
             items.extend(parse_claude_line(obj, max_chars=max_chars))
         fallback = next((i.session_id for i in items if i.session_id), "") or path.stem

@@ -333,8 +333,8 @@ class VectorService:
         gone = await commit_in_one_trip(self.store, functools.partial(apply_plan, plan=plan))  # held for the statements
         # Recounting recurrence touches every partner's pairs: small transactions, so ingest never waits long.
         affected = sorted(plan.recurrence - gone)
-        # Each in one trip to the writer's thread, the log's fsync after the writer is passed on (`atomic` held it
-        # through its FULL commit's fsync, which a hook's commit waited behind).
+        # Each in one trip to the writer's thread, the log's fsync after the writer is passed on (through `atomic`,
+        # each statement was a trip through the event loop while the writer was held, a hook's commit behind it).
         for start in range(0, len(affected), RECOUNT_CHUNK):
             await commit_in_one_trip(self.store, functools.partial(update_recurrence,
                                                                    ids=affected[start : start + RECOUNT_CHUNK]))
