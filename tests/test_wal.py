@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
 
 from loomd.store.db import Store
 
@@ -19,10 +20,10 @@ async def test_durable_commit_waits_for_the_logs_sync_without_holding_the_writer
     await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
     gate = threading.Event()
     # The sync thread busy (a slow disk, say): the next fsync of the log cannot begin until the gate opens.
-    blocked = asyncio.get_running_loop().run_in_executor(store.wal._pool, gate.wait)  # noqa: SLF001 - its thread
+    store.wal.run_on_thread(gate.wait)
     durable = asyncio.create_task(store.commit_on_thread(insert("durable")))
     for _ in range(1000):
-        if store.wal._waiting:  # noqa: SLF001 - committed, waiting for its sync
+        if store.wal.pending:  # committed, waiting for its sync
             break
         await asyncio.sleep(0.005)
     assert not durable.done()
@@ -30,7 +31,6 @@ async def test_durable_commit_waits_for_the_logs_sync_without_holding_the_writer
     assert not durable.done()  # the writer was free for another transaction while the first waited for the disk
     assert store.durable_commits <= mark  # the second is not on disk yet: no sync has begun since it
     gate.set()
-    await blocked
     await asyncio.wait_for(durable, 30)
     await store.commit_on_thread(insert("after"))  # its sync began after the second commit: that one is on disk now
     assert store.durable_commits > mark and store.wal.syncs >= 2
@@ -50,7 +50,7 @@ async def test_an_atomic_transaction_waits_for_the_logs_sync_without_holding_the
     await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
     gate = threading.Event()
     # The sync thread busy: the fsync after the transaction's COMMIT cannot begin until the gate opens.
-    blocked = asyncio.get_running_loop().run_in_executor(store.wal._pool, gate.wait)  # noqa: SLF001 - its thread
+    store.wal.run_on_thread(gate.wait)
 
     async def write() -> None:
         async with store.atomic() as db:
@@ -59,7 +59,7 @@ async def test_an_atomic_transaction_waits_for_the_logs_sync_without_holding_the
     atomic = asyncio.create_task(write())
     try:
         for _ in range(1000):
-            if store.wal._waiting:  # noqa: SLF001 - committed, waiting for its sync
+            if store.wal.pending:  # committed, waiting for its sync
                 break
             await asyncio.sleep(0.005)
         assert not atomic.done()
@@ -68,8 +68,17 @@ async def test_an_atomic_transaction_waits_for_the_logs_sync_without_holding_the
         assert not atomic.done()
     finally:
         gate.set()
-        await blocked
     await asyncio.wait_for(atomic, 30)
     rows = await store.fetchall("SELECT key FROM wal_probe ORDER BY key")
     assert [r[0] for r in rows] == ["atomic", "meanwhile"]
 
+
+
+async def test_the_writers_thread_asks_for_the_sync_so_it_begins_while_the_loop_is_busy(store: Store) -> None:
+    await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
+    _, mark = await store.commit_on_thread(insert("asked"), durable=False, sync=True)
+    deadline = time.monotonic() + 30
+    while store.durable_commits <= mark and time.monotonic() < deadline:
+        time.sleep(0.005)  # noqa: ASYNC251 - the event loop blocked: nothing it hands the sync thread can start
+    assert store.durable_commits > mark  # the fsync ran all the same: the writer's thread asked for it itself
+    await store.wal.wait(mark + 1)

@@ -216,12 +216,13 @@ class EventWriter:
             batch.append(item)
             size += len(item.events)
         failed: dict[int, Exception] = {}
+        number: int | None = None  # the log's sync that makes the group commit durable
         try:
-            await self._commit(batch)
+            number = await self._commit(batch)
         except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
             failed = await self._commit_apart(batch, exc)
         await self._acknowledge(batch, failed, self._queue,
-                                [e for item in batch if id(item) not in failed for e in item.events])
+                                [e for item in batch if id(item) not in failed for e in item.events], number)
 
     async def _commit_slice(self, item: Batch) -> bool:
         """Commit the next slice of a bulk batch; True when the batch is done (acknowledged or failed)."""
@@ -233,11 +234,11 @@ class EventWriter:
         began = time.perf_counter()
         try:
             try:
-                await self._commit([item], part, final=last, urgent=False)
+                number = await self._commit([item], part, final=last, urgent=False)
             except ProcessorFailed as exc:
                 log.error("%d event(s) stored without their captures: a processor failed on them", len(part),
                           exc_info=exc.__cause__)
-                await self._commit([item], part, derive=False, final=last, urgent=False)
+                number = await self._commit([item], part, derive=False, final=last, urgent=False)
         except Exception as exc:  # noqa: BLE001 - reported to this submitter only
             log.error("could not commit %d event(s); they were not acknowledged: %s", len(item.events) - start, exc)
             self.losses.record(len(item.events) - start, exc)
@@ -250,7 +251,7 @@ class EventWriter:
         item.committed = end
         if last:  # the log's sync after this slice covers the earlier ones too (the log is append-only)
             # Waited for apart: the next live commit does not wait behind an import's fsync.
-            task = asyncio.create_task(self._acknowledge([item], {}, self._bulk, part))
+            task = asyncio.create_task(self._acknowledge([item], {}, self._bulk, part, number))
             self._bulk_acks.add(task)
             task.add_done_callback(self._bulk_acks.discard)
         else:
@@ -258,7 +259,7 @@ class EventWriter:
         return last
 
     async def _acknowledge(self, batch: list[Batch], failed: dict[int, Exception], queue: asyncio.Queue[Batch],
-                           done: list[Event]) -> None:
+                           done: list[Event], number: int | None = None) -> None:
         """Resolve each submitter of a commit once an fsync of the log begun after it has ended (`WalSync`). The
         writer waits for it before its next commit, as it waited for a FULL commit: what arrives meanwhile makes
         the next batch (on 2 busy CPUs, committing during the fsync made smaller batches and cost more CPU an
@@ -267,7 +268,8 @@ class EventWriter:
         unsynced: Exception | None = None
         if len(failed) < len(batch):
             try:
-                await self.store.wal.after_commit()
+                # The sync its writer's thread asked for (`number`); after a commit apart, one asked for now.
+                await (self.store.wal.after_commit() if number is None else self.store.wal.wait(number))
             except StorageError as exc:
                 log.error("%d event(s) committed, but the log's sync failed; none of them was acknowledged: %s",
                           len(done), exc)
@@ -313,23 +315,27 @@ class EventWriter:
         return failed
 
     async def _commit(self, batch: list[Batch], events: list[Event] | None = None, *, derive: bool = True,
-                      final: bool = True, urgent: bool = True) -> None:
+                      final: bool = True, urgent: bool = True) -> int:
         """`events` (default: the batch's) in one transaction, with each submitter's `also` when `final`; `urgent`
         (live submitters) before the workers' and the back-fill's waiting transactions. Committed without waiting
         for the disk: the submitters are acknowledged after the log's sync (`_acknowledge`).
 
         BEGIN to COMMIT in one trip to the writer's thread (`Store.commit_on_thread`): the inserts, the processors
         and the `also`s. A trip per step (BEGIN, the inserts, each capture statement, COMMIT) waited each time for
-        the event loop's turn, busy parsing the next hooks, while the commit held the writer."""
+        the event loop's turn, busy parsing the next hooks, while the commit held the writer. Returns the number of
+        the log's sync that makes it durable (`WalSync.wait`)."""
         if events is None:
             events = [e for item in batch for e in item.events]
         HOLDER.set("events:live" if urgent else "events:bulk")  # the writer task's own context
         after = [(item.also, item.events) for item in batch if item.also is not None] if final else []
         body = functools.partial(write_events, events=events, now=time.time(),
                                  processors=self.processors if derive else [], after=after)
-        stored, _ = await self.store.commit_on_thread(body, durable=False, urgent=urgent)
+        # A commit whose submitters are acknowledged after it (a live one, a bulk batch's last slice) asks for the
+        # log's sync on the writer's thread, at once; the others are covered by a later one (the log is append-only).
+        stored, mark = await self.store.commit_on_thread(body, durable=False, sync=final, urgent=urgent)
         self.committed += len(stored)
         self.commits += 1
+        return mark + 1
 
 
 def write_events(conn: sqlite3.Connection, events: Sequence[Event], now: float, processors: Sequence[Processor],

@@ -253,8 +253,8 @@ class Store:
 
     @property
     def durable_commits(self) -> int:
-        """Syncs of the log completed so far, by ticket: see `commit_on_thread`."""
-        return self.wal.done
+        """The syncs of the log requested so far that are on disk, by number: see `commit_on_thread`."""
+        return self.wal.covered
 
     @property
     def write_waiting(self) -> int:
@@ -291,7 +291,7 @@ class Store:
         await self.wal.after_commit()
 
     async def commit_on_thread(self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True,
-                               urgent: bool = False) -> tuple[T, int]:
+                               sync: bool = False, urgent: bool = False) -> tuple[T, int]:
         """`fn` in a write transaction of its own, BEGIN to COMMIT in one trip to the writer's thread: its
         writer-lock hold, which hooks wait behind, is the statements alone (a trip per statement also waits for the
         event loop's turn each time). Rolled back if `fn` raises, or if the caller is cancelled before its COMMIT
@@ -303,12 +303,16 @@ class Store:
         an fsync of the log begun after the COMMIT (`WalSync`, shared with the commits made meanwhile) — as durable
         as a FULL commit, without holding the writer for the disk. `durable=False` returns at once: for what a
         replay redoes (sync marking what the server holds), and a bulk ingest's slices but its last (`EventWriter`).
+        `sync` with `durable=False`: the sync is asked for all the same, but not waited for (`EventWriter` waits for
+        it apart, `wal.wait(mark + 1)`). Either way the writer's thread asks for it right after the COMMIT, so the
+        fsync begins without waiting for the event loop's turn.
         `urgent`: the transaction goes before the waiting ones that are not (a live hook's commit, `WriteTurns`).
         Returns fn's result and a mark: once `durable_commits` has passed the mark, the transaction is on disk."""
         abandoned = threading.Event()
+        wal = self.wal if durable or sync else None
         async with self._write_lock.hold(urgent):
             try:
-                result = await on_thread(self.writer, functools.partial(_transaction, fn, abandoned))
+                result, number = await on_thread(self.writer, functools.partial(_transaction, fn, abandoned, wal))
             except asyncio.CancelledError:
                 abandoned.set()  # the thread rolls back instead of committing, unless it has committed already
                 raise
@@ -316,9 +320,10 @@ class Store:
                 if isinstance(exc, DB_BUGS):
                     raise
                 raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
-            mark = self.wal.started  # any sync begun after this one covers the commit
+        # Asked for: the sync that covers request `number` covers the commit. Otherwise any request made from now on.
+        mark = number - 1 if wal is not None else self.wal.requested
         if durable:
-            mark = await self.wal.after_commit() - 1
+            await self.wal.wait(number)
         return result, mark
 
     @asynccontextmanager
@@ -359,9 +364,11 @@ class Abandoned(Exception):
     """The caller of `Store.commit_on_thread` was cancelled before the COMMIT: the transaction is rolled back."""
 
 
-def _transaction(fn: Callable[[sqlite3.Connection], T], abandoned: threading.Event, conn: sqlite3.Connection) -> T:
+def _transaction(fn: Callable[[sqlite3.Connection], T], abandoned: threading.Event, wal: WalSync | None,
+                 conn: sqlite3.Connection) -> tuple[T, int]:
     """`Store.commit_on_thread` on the writer's thread: runs to its end (COMMIT, or ROLLBACK if the caller was
-    cancelled meanwhile), so the connection always leaves its transaction."""
+    cancelled meanwhile), so the connection always leaves its transaction. With a `wal`, asks for the log's sync
+    after the COMMIT and returns its number with fn's result (0 without)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         result = fn(conn)
@@ -372,4 +379,4 @@ def _transaction(fn: Callable[[sqlite3.Connection], T], abandoned: threading.Eve
         with contextlib.suppress(*DB_ERRORS):
             conn.execute("ROLLBACK")
         raise
-    return result
+    return result, wal.request() if wal is not None else 0

@@ -9,7 +9,11 @@ when it starts reusing the file after a checkpoint. So the writer commits withou
 the committer waits for the next fsync here; the commits made while one fsync runs share the next (group commit on
 the disk as well as in the transaction), and their statements run while the disk works.
 
-`done` counts completed syncs by ticket: a commit that ended when `started` was n is on disk once `done` > n.
+A committer asks for a sync right after its COMMIT, on the thread that committed (`request`), and gets a number;
+the sync thread takes every request made so far, runs one fsync and covers them all (`covered`); the committer
+waits until `covered` reaches its number (`wait`). The writer's thread asks itself, at the end of its trip: the
+fsync begins without waiting for the event loop's turn, and the loop never hands the sync thread its work (a trip
+through a thread pool and its futures on every commit, on the loop that frames every hook).
 """
 
 from __future__ import annotations
@@ -17,67 +21,132 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from loomd.errors import StorageError
 
 
 class WalSync:
-    """fsyncs of one database's log file, each shared by every commit that ended before it began."""
+    """fsyncs of one database's log file, each shared by every commit that asked for one before it began."""
 
     def __init__(self, db: Path) -> None:
         self.db = db
         self.wal = db.with_name(db.name + "-wal")
-        self.started = 0  # syncs begun
-        self.done = 0  # the highest ticket of a completed sync
+        self.requested = 0  # requests made (each by a commit that had ended): the next one gets requested + 1
+        self.covered = 0  # every request up to this number is on disk (a sync begun after it ended)
         self.syncs = 0  # fsyncs run here (`commits / syncs` is how many shared one)
-        self._waiting: list[asyncio.Future[int]] = []  # commits that ended since the running sync began
-        self._task: asyncio.Task[None] | None = None
+        self._lock = threading.Lock()
+        # What the sync thread is asked: None for a sync, or a callable to run there first (`run_on_thread`).
+        self._asks: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._failed: tuple[int, int, StorageError] | None = None  # the last failed sync: (after, up to, error)
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []  # (number, its waiter), on the loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._fd: int | None = None
         self._ino: int | None = None
-        # One thread of its own: an fsync never queues behind other work handed to threads.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="loomd-wal-sync")
 
-    def begin(self) -> int:
-        """A sync begins now: its ticket."""
-        self.started += 1
-        return self.started
+    @property
+    def pending(self) -> int:
+        """Requests not covered by a completed sync yet."""
+        return self.requested - self.covered
 
-    def finished(self, ticket: int) -> None:
-        self.done = max(self.done, ticket)
+    def request(self) -> int:
+        """Ask for an fsync of the log begun after now (the caller's commit has ended); from any thread. Returns the
+        number `wait` takes."""
+        with self._lock:
+            self.requested += 1
+            number = self.requested
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="loomd-wal-sync", daemon=True)
+                self._thread.start()
+        self._asks.put(None)
+        return number
 
-    async def after_commit(self) -> int:
-        """Wait for an fsync of the log begun after now (the caller's commit has ended); its ticket. StorageError if
-        the fsync fails: the commit is in the file, but whether it reached the disk is unknown."""
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiting.append(future)
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="wal-sync")
-        return await asyncio.shield(future)
+    async def wait(self, number: int) -> None:
+        """Return once request `number` is on disk. StorageError if its fsync failed: the commit is in the file, but
+        whether it reached the disk is unknown."""
+        self._loop = asyncio.get_running_loop()  # before the check: a sync ending after it hands the loop `_deliver`
+        if self.covered >= number:
+            return
+        failed = self._failed
+        if failed is not None and failed[0] < number <= failed[1]:
+            raise failed[2]
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._waiting.append((number, future))
+        await asyncio.shield(future)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while self._waiting:
-                # Taken before the fsync begins: each of these commits ended before it, so it covers them all.
-                waiting, self._waiting = self._waiting, []
-                ticket = self.begin()
-                try:
-                    await loop.run_in_executor(self._pool, self._sync)
-                except (OSError, RuntimeError) as exc:  # RuntimeError: a commit after `close` (a bug)
-                    error = StorageError(f"syncing the database log to disk failed: {exc}; nothing was acknowledged")
-                    for future in waiting:
-                        if not future.done():
-                            future.set_exception(error)
-                    continue
+    async def after_commit(self) -> None:
+        """Wait for an fsync of the log begun after now (the caller's commit has ended, on the loop)."""
+        await self.wait(self.request())
+
+    def run_on_thread(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the sync thread before its next fsync (what a slow disk does to the syncs, in a test)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="loomd-wal-sync", daemon=True)
+                self._thread.start()
+        self._asks.put(fn)
+
+    async def close(self) -> None:
+        """After the last commit: wait for the syncs still owed, then end the thread and release the file."""
+        with contextlib.suppress(StorageError):
+            await self.wait(self.requested)
+        thread = self._thread
+        if thread is not None:
+            self._asks.put(self._stop)
+            await asyncio.to_thread(thread.join)
+            self._thread = None
+        self._close_fd()
+
+    def _stop(self) -> None:
+        raise _Stop
+
+    def _serve(self) -> None:
+        """The sync thread: take the requests made so far, one fsync for them all, tell the loop; again."""
+        while True:
+            asks = [self._asks.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    asks.append(self._asks.get_nowait())
+            for ask in asks:
+                if ask is not None:
+                    try:
+                        ask()
+                    except _Stop:
+                        return
+            with self._lock:
+                after, upto = self.covered, self.requested  # each of these commits ended before the fsync begins
+            if upto <= after:
+                continue
+            try:
+                self._sync()
+            except (OSError, RuntimeError) as exc:
+                self._failed = (after, upto, StorageError(
+                    f"syncing the database log to disk failed: {exc}; nothing was acknowledged"))
+            else:
                 self.syncs += 1
-                self.finished(ticket)
-                for future in waiting:
-                    if not future.done():
-                        future.set_result(ticket)
-        finally:
-            self._task = None
+                self.covered = upto
+            loop = self._loop
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                    loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        """On the loop: resolve the waiters the last syncs covered, fail those of a failed one."""
+        covered, failed, still = self.covered, self._failed, []
+        for number, future in self._waiting:
+            if future.done():
+                continue
+            if number <= covered:
+                future.set_result(None)
+            elif failed is not None and failed[0] < number <= failed[1]:
+                future.set_exception(failed[2])
+            else:
+                still.append((number, future))
+        self._waiting = still
 
     def _sync(self) -> None:
         """On the sync thread: fdatasync the log file (the same file SQLite writes: checked by inode every time, so
@@ -108,9 +177,6 @@ class WalSync:
                 os.close(self._fd)
             self._fd = None
 
-    async def close(self) -> None:
-        """After the last commit: wait for the syncs still owed, then release the thread and the file."""
-        while self._task is not None:
-            await asyncio.shield(self._task)
-        self._pool.shutdown(wait=True)
-        self._close_fd()
+
+class _Stop(Exception):
+    """Asked of the sync thread by `close`: end."""
