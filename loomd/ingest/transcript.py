@@ -543,21 +543,26 @@ def decode_lines(lines: list[bytes]) -> tuple[list[dict[str, Any]], int]:
     for raw in lines:
         if not raw.strip():
             continue
-        try:
-            obj = loads(raw)
-        except ValueError:
+        obj = loads_object(raw)
+        if obj is None:
             bad += 1
-            continue
-        if isinstance(obj, dict):
-            objs.append(obj)
         else:
-            bad += 1
+            objs.append(obj)
     return objs, bad
+
+
+def loads_object(raw: bytes) -> dict[str, Any] | None:
+    """The JSON object one line holds (decoded by `loads`); None for anything else."""
+    try:
+        obj = loads(raw)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 # How one line or array element bears on the format of its file.
 _Verdict = Literal["claude", "codex", "unknown", "foreign"]
-READ_BLOCK = 1 << 20  # `file_objects` reads a whole file this much at a time
+READ_BLOCK = 1 << 20  # the buffer `file_objects` reads a whole file through
 _SNIFF_LINES = 50  # known lines a JSONL file is judged on ...
 _SNIFF_MAX_LINES = 1000  # ... looked for among at most this many (unknown kinds do not count)
 
@@ -637,32 +642,26 @@ def codex_state_for(path: Path) -> CodexState:
 
 
 def file_objects(path: Path) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a whole JSONL file's lines, in order, decoded a block at a time as they are read (a line
+    """The JSON objects of a whole JSONL file's lines, in order, decoded a line at a time as they are read (a line
     that is not a JSON object is skipped with a warning, as `read_lines` does). A finished file may lack its final
     newline: the tailer waits for it, a one-shot read need not (a last line that does not parse is the end of a file
-    cut mid-write, not worth a warning)."""
+    cut mid-write, not worth a warning).
+
+    Each line is the one copy of its bytes, made from the file's buffer: read a block at a time, then cut and split,
+    the bytes were copied four times, a third of the parser's time to decode a file."""
     bad = 0
-    pending: list[bytes] = []  # the start of a line still being read (a screenshot's line can be megabytes)
-    with path.open("rb") as fh:
-        while block := fh.read(READ_BLOCK):
-            cut = block.rfind(b"\n")
-            if cut < 0:
-                pending.append(block)
+    with path.open("rb", buffering=READ_BLOCK) as fh:
+        for raw in fh:
+            if not raw.strip():
                 continue
-            objs, skipped = decode_lines(b"".join([*pending, block[:cut]]).split(b"\n"))
-            pending = [block[cut + 1:]]
-            bad += skipped
-            yield from objs
-    rest = b"".join(pending)
+            last = not raw.endswith(b"\n")
+            obj = loads_object(raw.strip() if last else raw)
+            if obj is not None:
+                yield obj
+            elif not last:
+                bad += 1
     if bad:
         log.warning("skipped %d unparsable lines in %s", bad, path)
-    if rest.strip():
-        try:
-            last = loads(rest.strip())
-        except ValueError:
-            return
-        if isinstance(last, dict):
-            yield last
 
 
 def _subagent_id(path: Path) -> str | None:
