@@ -25,7 +25,6 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -215,34 +214,6 @@ async def test_a_secret_inside_a_long_imported_line_is_redacted(
     assert len(payloads) == 4
     assert not any(aws in p or github in p for p in payloads)
     assert any("[REDACTED:aws_key]" in p for p in payloads) and any("[REDACTED:github_token]" in p for p in payloads)
-
-
-async def test_a_repeated_line_stores_what_it_stored_before_it_was_skipped(
-        daemon: Daemon, client: AsyncClient, home: Path, tmp_path: Path) -> None:
-    """A parser skips a tool call (result, answer, summary) whose key an earlier line of its file had: the writer
-    stored nothing of it, and took nothing from it for the session. A prompt written twice is not skipped: it is two
-    rows when a hook copy paired with the first (each copy pairs with one copy from the other source)."""
-    sid = str(uuid.uuid4())
-    base = {"sessionId": sid, "cwd": str(tmp_path), "timestamp": "2025-11-17T10:00:00Z"}
-    prompt = {**base, "type": "user", "uuid": str(uuid.uuid4()),
-              "message": {"role": "user", "content": "please rebuild the index"}}
-    call = {**base, "type": "assistant", "uuid": str(uuid.uuid4()), "message": {"id": "msg_1", "role": "assistant",
-            "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "make"}}]}}
-    later = {**call, "timestamp": "2025-11-17T11:00:00Z", "cwd": str(tmp_path / "elsewhere")}
-    path = tmp_path / f"{sid}.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in (prompt, call, call, prompt, later)))
-    hook = {"session_id": sid, "cwd": str(tmp_path), "hook_event_name": "UserPromptSubmit",
-            "prompt": "please rebuild the index"}
-    sent = datetime.fromisoformat("2025-11-17T09:59:59+00:00").timestamp()
-    await client.call("hook", event="UserPromptSubmit", agent="claude", raw=json.dumps(hook).encode(),
-                      sent_at=int(sent * 1000))
-    result = await client.call("import_file", {"path": str(path)})
-    assert result["events"] == 3 and result["stored"] == 2  # the call's second and third copies were skipped
-    rows = query(home, "SELECT source, kind FROM events WHERE session_id = ? ORDER BY id", (sid,))
-    assert rows == [("hook", "UserPromptSubmit"), ("transcript", "tool_use"), ("transcript", "user_message")]
-    # What the writer left of every copy: the copy at 11:00 in another folder never reached the session's row.
-    assert query(home, "SELECT last_seen, cwd FROM sessions WHERE id = ?", (sid,)) == [
-        (datetime.fromisoformat("2025-11-17T10:00:00+00:00").timestamp(), str(tmp_path))]
 
 
 async def test_a_file_that_comes_while_idle_parsers_stop_is_parsed_by_a_fresh_one(tmp_path: Path) -> None:

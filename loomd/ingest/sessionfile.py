@@ -90,25 +90,10 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
     subagent = p.stem.removeprefix("agent-") if p.name.startswith("agent-") and fmt == "claude" else None
     meta = read_subagent_meta(p) if subagent else {}
     events: list[Event] = []
-    seen: set[tuple[str, str]] = set()
     items.reverse()
     while items:  # each item let go once it is an event: a parser holds one form of the file, not both
         item = items.pop()
-        sid = session_id or item.session_id or fallback
-        if not _repeated(item, sid, seen):
-            events.append(to_event(item, session_id=sid, cwd=cwd, max_chars=limit, subagent=subagent, meta=meta))
+        events.append(to_event(item, session_id=session_id or item.session_id or fallback, cwd=cwd,
+                               max_chars=limit, subagent=subagent, meta=meta))
     precompute(events)
     return fmt, events
-
-
-def _repeated(item: TranscriptItem, session_id: str, seen: set[tuple[str, str]]) -> bool:
-    """Whether the writer would skip `item` whole: a tool call, result, answer or summary whose key an earlier item
-    of its file had (`seen`, updated here). Its event would have the earlier one's key and dedup, so `writer.is_copy`
-    finds that row (or the row that one was a copy of) and neither stores it nor takes anything from it for the
-    session's row: it is not worth redacting. A user message is never skipped: its dedup is its text's, and each
-    copy of a prompt pairs with one hook copy (the second of two equal lines is stored when the first paired)."""
-    if item.kind == "user_message":
-        return False
-    before = len(seen)
-    seen.add((session_id, item.key))
-    return len(seen) == before
