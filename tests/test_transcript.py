@@ -18,15 +18,18 @@ from typing import Any
 import pytest
 
 from loomd.ingest.transcript import (
+    READ_BLOCK,
     CodexState,
     TranscriptItem,
     detect_format,
+    file_objects,
     parse_claude_line,
     parse_codex_line,
     parse_file,
     read_lines,
     read_subagent_meta,
     render_tool_use,
+    sniff,
     subagent_files,
 )
 
@@ -484,6 +487,27 @@ def test_bad_lines_are_skipped_and_consumed(tmp_path: Path, caplog: pytest.LogCa
     assert [o["uuid"] for o in objs] == ["u1", "u2"]
     assert offset == path.stat().st_size
     assert "skipped 2 unparsable lines" in caplog.text
+
+
+def test_a_whole_file_is_read_line_by_line_as_the_tailer_reads_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`file_objects` (a one-shot import) takes what `read_lines` takes: bad and blank lines skipped, the bad ones
+    counted, a line longer than its read buffer whole, a CRLF line; and a last line without its newline, unless
+    it was cut mid-write (then not counted as bad). What `sniff` decoded of the first lines is passed on as is."""
+    long = json.dumps({"type": "user", "uuid": "big", "sessionId": "s", "text": "x" * (2 * READ_BLOCK)}).encode()
+    body = _line(1) + b"{not json\n" + b"[1, 2]\n" + b"\n  \n" + long + b"\n" + _line(2)[:-1] + b"\r\n"
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(body + _line(3)[:-1])
+    assert [o["uuid"] for o in file_objects(path)] == ["u1", "big", "u2", "u3"]
+    assert list(file_objects(path))[:-1] == read_lines(path, 0)[0]
+    fmt, head = sniff(path)  # the lines before the long one, decoded once: passed on as they are
+    assert fmt == "claude" and len(head) == 5 and head[1] is None
+    assert list(file_objects(path, head)) == list(file_objects(path)) and head == []
+    assert "skipped 2 unparsable lines" in caplog.text
+    caplog.clear()
+    path.write_bytes(_line(1) + _line(2)[:20])
+    assert [o["uuid"] for o in file_objects(path)] == ["u1"]
+    assert "unparsable" not in caplog.text
 
 
 def test_empty_and_unchanged_file(tmp_path: Path) -> None:

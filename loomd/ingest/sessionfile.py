@@ -19,12 +19,12 @@ from loomd.ingest.transcript import (
     Format,
     TranscriptItem,
     codex_state_for,
-    detect_format,
     file_objects,
     loads,
     parse_claude_line,
     parse_codex_line,
     read_subagent_meta,
+    sniff,
 )
 from loomd.redact import redact_value
 
@@ -73,7 +73,7 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
     p = p.expanduser()
     if not p.is_file():
         raise NotFound(f"no such file: {p}")
-    fmt = detect_format(p)
+    fmt, head = sniff(p)
     if fmt is None:
         raise BadRequest(f"{p} is not a Claude or Codex transcript")
     state = codex_state_for(p)
@@ -83,7 +83,7 @@ def read_session_file(p: Path, session_id: str | None, cwd: str | None, limit: i
             items = [i for o in data if isinstance(o, dict) for i in parse_line(o, fmt, state, limit)]
             del data
         else:
-            items = [i for o in file_objects(p) for i in parse_line(o, fmt, state, limit)]
+            items = [i for o in file_objects(p, head) for i in parse_line(o, fmt, state, limit)]
     except OSError as exc:
         raise BadRequest(f"cannot read {p}: {exc.strerror or exc}") from exc
     fallback = session_id or next((i.session_id for i in items if i.session_id), "") or p.stem
