@@ -313,14 +313,20 @@ class InstantDaemon:
 
 
 
-def start_daemon(python: str, home: Path, within_s: float, repo: Path = REPO) -> tuple[subprocess.Popen[bytes], float]:
+def start_daemon(python: str, home: Path, within_s: float, repo: Path = REPO,
+                 own_session: bool = True) -> tuple[subprocess.Popen[bytes], float]:
+    """`python -m loomd serve`, answering. `own_session`: in a session of its own, as its service manager starts
+    it (a systemd user service runs in a cgroup of its own, apart from the agent's; Linux schedules a session as a
+    group of its own where `kernel.sched_autogroup_enabled` is on): the hooks then compete with the daemon's work
+    as the agent's do, group against group. Otherwise it shares the bench's session and group."""
     from loomd.client import Client
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") and k != "CLAUDECODE"}
     env.update(LOOMD_HOME=str(home), LOOMD_CODEX_HOME=str(home / "codex-home"), PYTHONPATH=str(repo))
     start = time.monotonic()
     with open(home / "daemon.log", "ab") as log:
-        proc = subprocess.Popen([python, "-m", "loomd", "serve"], cwd=repo, env=env, stdout=log, stderr=log)
+        proc = subprocess.Popen([python, "-m", "loomd", "serve"], cwd=repo, env=env, stdout=log, stderr=log,
+                                start_new_session=own_session)
     while time.monotonic() - start < within_s:
         if proc.poll() is not None:
             tail = (home / "daemon.log").read_text(errors="replace")[-1500:]
@@ -456,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="transcripts dir with hook logs")
     parser.add_argument("--skip-up", action="store_true", help="only the daemon-down (spool) path")
     parser.add_argument("--skip-plain", action="store_true", help="skip the checked-in plugin's command")
+    parser.add_argument("--daemon-in-bench-session", action="store_true",
+                        help="run the daemon in the bench's session (default: a session of its own, as a service)")
     parser.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the daemon")
     parser.add_argument("--gap-ms", type=float, default=None,
                         help="pause before each spawn, as the agent's own time between hooks (default 0: back to"
@@ -504,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             "timer": "perf_counter around Popen + communicate(payload) + wait", "gap_ms": gap_ms,
             "up_gap_ms": up_gap_ms,
             "daemon_config": opts.daemon_config, "repo": str(opts.repo),
+            "daemon_session": "the bench's" if opts.daemon_in_bench_session else "its own (as a service)",
             "target": {"p50_within_ms": TARGET_P50_MS, "p99_within_ms": TARGET_P99_MS},
         }  # fmt: skip
         first = payloads[events[0]][0]
@@ -536,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                 variants.update(plain)
             (up_home / "config.toml").write_text("".join(line + "\n" for line in opts.daemon_config))
             try:
-                proc, ready_s = start_daemon(python, up_home, opts.start_timeout, opts.repo.absolute())
+                proc, ready_s = start_daemon(python, up_home, opts.start_timeout, opts.repo.absolute(),
+                                             own_session=not opts.daemon_in_bench_session)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 report["up"] = {"error": str(exc)}
             else:

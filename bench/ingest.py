@@ -180,20 +180,24 @@ def client_worker(args: tuple[str, str, int, int, int, float]) -> dict[str, Any]
     latencies: list[float] = []
     errors: dict[str, int] = {}
     t_start = time.perf_counter()
+    cpu_start, in_call = time.process_time(), 0.0
     for i in range(n):
         raw = payload(tag, i, size)
         eid = f"{time.time_ns():016x}-{os.getpid():08x}-{os.urandom(4).hex()}"
         args_map = shim.pack_args("claude", "PostToolUse", raw, eid, False, int(deadline_s * 1000),
                                   time.time_ns() // 1_000_000)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         try:
             shim.call(sock, args_map, time.monotonic() + deadline_s)
         except BaseException as exc:  # noqa: BLE001 - counted, the bench goes on
             key = type(exc).__name__ + (": " + str(exc)[:80] if "reply" in str(exc) else "")
             errors[key] = errors.get(key, 0) + 1
             continue
+        finally:
+            in_call += time.process_time() - cpu0
         latencies.append(time.perf_counter() - t0)
-    return {"latencies": latencies, "errors": errors, "elapsed": time.perf_counter() - t_start}
+    return {"latencies": latencies, "errors": errors, "elapsed": time.perf_counter() - t_start,
+            "cpu_s": time.process_time() - cpu_start, "call_cpu_s": in_call}
 
 
 def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str, pid: int) -> dict[str, Any]:
@@ -227,6 +231,11 @@ def run_clients(home: Path, clients: int, per_client: int, size: int, tag: str, 
         # While the clients ran (the back-fill and the workers go on after: this is what the acks competed with).
         "cpu_ms_per_event": {k: round((cpu_after[k] - cpu_before[k]) * 1000 / max(1, len(latencies)), 3)
                              for k in cpu_after},
+        # The clients' own CPU on the same machine (all of it, and the shim's `call` alone): on 2 CPUs the clients
+        # and the daemon share them, so the rate is bound by their sum.
+        "client_cpu_ms_per_event": {
+            "all": round(sum(r["cpu_s"] for r in results) * 1000 / max(1, len(latencies)), 3),
+            "shim_call": round(sum(r["call_cpu_s"] for r in results) * 1000 / max(1, len(latencies)), 3)},
         "events_per_commit": round(stored / commits, 2) if commits else None,  # group commit at work
         # Transactions each background holder of the writer committed while the clients ran (the back-fill, each
         # worker): what the acks competed with. Held back while hooks stream, they run in the pauses.
@@ -407,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ack_p50_p99_ms_8_clients": [eight["ack_ms"]["p50"], eight["ack_ms"]["p99"]],
                 "cpu_ms_per_event_1_client": one["cpu_ms_per_event"],
                 "cpu_ms_per_event_8_clients": eight["cpu_ms_per_event"],
+                "client_cpu_ms_per_event_8_clients": eight["client_cpu_ms_per_event"],
                 "background_transactions_8_clients": eight["background_transactions"],
                 "spool_replay_events_per_s": replay["replay_events_per_s"],
                 "errors": sum(one["errors"].values()) + sum(eight["errors"].values()),
