@@ -59,9 +59,7 @@ class WalSync:
         with self._lock:
             self.requested += 1
             number = self.requested
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="loomd-wal-sync", daemon=True)
-                self._thread.start()
+            self._start()
         self._asks.put(None)
         return number
 
@@ -74,9 +72,9 @@ class WalSync:
         failed = self._failed
         if failed is not None and failed[0] < number <= failed[1]:
             raise failed[2]
-        future: asyncio.Future[None] = self._loop.create_future()
+        future: asyncio.Future[None] = self._loop.create_future()  # its own: a cancelled waiter cancels only it
         self._waiting.append((number, future))
-        await asyncio.shield(future)
+        await future
 
     async def after_commit(self) -> None:
         """Wait for an fsync of the log begun after now (the caller's commit has ended, on the loop)."""
@@ -85,10 +83,14 @@ class WalSync:
     def run_on_thread(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the sync thread before its next fsync (what a slow disk does to the syncs, in a test)."""
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="loomd-wal-sync", daemon=True)
-                self._thread.start()
+            self._start()
         self._asks.put(fn)
+
+    def _start(self) -> None:
+        """The sync thread, started at the first ask (under the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="loomd-wal-sync", daemon=True)
+            self._thread.start()
 
     async def close(self) -> None:
         """After the last commit: wait for the syncs still owed, then end the thread and release the file."""
