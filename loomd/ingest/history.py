@@ -15,6 +15,7 @@ kill skips what is done and re-reads only the file it was in (whose events are a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from loomd.errors import BadRequest, ChildDied
 from loomd.ingest.events import Event
 from loomd.ingest.sessionfile import read_session_file
 from loomd.ingest.tailer import Tailer
-from loomd.ingest.transcript import Format, detect_format, loads, loads_object
+from loomd.ingest.transcript import Format, loads, loads_object, sniff
 from loomd.ingest.transcript import _ts as transcript_ts
 from loomd.ingest.writer import Processor
 from loomd.offload import Offload
@@ -108,7 +109,7 @@ def _jsonl_under(folder: Path) -> Iterable[Path]:
 
 def describe(path: Path, done: dict[str, Any] | None) -> HistoryFile | None:
     """What one file holds, from its first lines and its last ones; None for a file that is no transcript."""
-    fmt = detect_format(path)
+    fmt, sniffed = sniff(path)
     if fmt is None:
         return None
     st = path.stat()
@@ -116,7 +117,7 @@ def describe(path: Path, done: dict[str, Any] | None) -> HistoryFile | None:
     agent: Agent = "codex" if fmt == "codex" else "claude"
     session_id = cwd = ""
     first_ts = last_ts = None
-    for obj in array if array is not None else _head(path):
+    for obj in array if array is not None else _head(path, sniffed):
         raw_payload = obj.get("payload")
         payload: dict[str, Any] = raw_payload if isinstance(raw_payload, dict) else {}
         if not session_id:
@@ -147,10 +148,15 @@ def _array(path: Path) -> list[dict[str, Any]]:
     return [o for o in data if isinstance(o, dict)]
 
 
-def _head(path: Path) -> Iterator[dict[str, Any]]:
-    """The objects of a JSONL file's first HEAD_LINES lines, parsed as they are read."""
+def _head(path: Path, sniffed: list[dict[str, Any] | None]) -> Iterator[dict[str, Any]]:
+    """The objects of a JSONL file's first HEAD_LINES lines: those `sniff` decoded already (`sniffed`, one entry a
+    line), then the rest, parsed as they are read (the scan decoded each file's head twice)."""
+    kept = sniffed[:HEAD_LINES]
+    yield from (obj for obj in kept if obj is not None)
+    if len(kept) == HEAD_LINES:
+        return
     with path.open("rb") as fh:
-        for _, raw in zip(range(HEAD_LINES), fh, strict=False):
+        for raw in itertools.islice(fh, len(kept), HEAD_LINES):
             obj = loads_object(raw)
             if obj is not None:
                 yield obj
