@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import need_test_data, serving
+from conftest import REPO, need_test_data, serving
 
 from loomd.client import AsyncClient
 from loomd.context.render import recall_room
 from loomd.daemon import Daemon
 from loomd.search.fusion import query_terms
-from loomd.search.retrieval import Stemmer, dense_wins, held_terms
+from loomd.search.retrieval import Stemmer, _may_stem_to, _stem_keys, dense_wins, held_terms
 from loomd.search.windows import GAP, LEAD_CHARS, WINDOW_CHARS, best_windows, merge_passages
 from loomd.workers.evidence import MAX_ITEM_CHARS, PASSAGE_CHARS, evidence_of, head_and_tail, passages
 from loomd.workers.steps import NO_RESULT, Step
@@ -227,6 +227,45 @@ def test_words_stemmed_together_are_stemmed_as_one_by_one() -> None:
     assert together.many(words) == expected
     assert list(together.many(reversed(words))) == list(dict.fromkeys(reversed(words)))  # in the order given
     assert held_terms("running foo_bar", "the foo bar runs") == frozenset({"running", "foo_bar"})
+
+
+def test_held_terms_stems_only_the_words_that_can_hold_a_query_term() -> None:
+    """A word is stemmed only when one of its index terms may be a query term's (`_may_stem_to`): never is a word
+    skipped that holds one. Checked on the words of the shared transcripts, of the embedding model's vocabulary and
+    every ASCII word of up to three letters, each against its own index terms; and `held_terms` against stemming
+    every word, on real lines."""
+    import itertools
+    import string
+
+    folder = need_test_data("transcripts")
+    words: set[str] = {"".join(p) for n in (1, 2, 3) for p in itertools.product(string.ascii_lowercase, repeat=n)}
+    lines: list[str] = []
+    for path in sorted(folder.rglob("*.jsonl"))[:40]:
+        text = path.read_text(errors="replace")[:400_000]
+        words.update(query_terms(text, frozenset(), limit=None))
+        lines.extend(line[:400] for line in text.splitlines()[::5][:40])
+    vocabulary = json.loads((REPO / "loomd" / "models" / "minilm-tokenizer.json").read_text())["model"]["vocab"]
+    words.update(w for w in vocabulary if w.isalpha())
+    stemmer = Stemmer()
+    stems = stemmer.many(sorted(words))
+    missed = [w for w, own in stems.items() if own and not _may_stem_to(w, _stem_keys(own))]
+    assert len(stems) > 20_000 and not missed, missed[:20]
+
+    def every_word(query: str, text: str) -> frozenset[str]:  # the reference: every word of the text stemmed
+        terms = query_terms(query)
+        held = {t for own in stemmer.many(query_terms(text, frozenset(), limit=None)).values() for t in own}
+        return frozenset(term for term, own in stemmer.many(terms).items() if set(own) <= held)
+
+    queries = [line for line in lines[::7] if query_terms(line)][:40]
+    assert len(queries) >= 30
+    checked = 0
+    for query in queries:
+        for text in lines[:100]:
+            got = held_terms(query, text)
+            assert got == every_word(query, text), (query, text)
+            checked += bool(got)
+    assert checked > 50  # the texts do hold query terms: the comparison is not between empty sets
+    assert held_terms("keys buying daily", "Daily key: they buy") == frozenset({"keys", "buying", "daily"})
 
 
 def test_a_commands_window_always_shows_its_outcome() -> None:
