@@ -15,6 +15,8 @@ from conftest import caught_up, wait_for_socket
 from loomd.client import AsyncClient, RemoteError
 from loomd.config import load_config
 from loomd.daemon import Daemon
+from loomd.search import retrieval
+from loomd.search.retrieval import memory_filters
 from loomd.store.memories import insert_memory
 from loomd.vectors.embed import MODEL_SHA256, default_model_path
 
@@ -335,6 +337,32 @@ async def test_filters_hold_when_other_projects_crowd_the_fast_paths(client: Asy
     for mode in ("keyword", "semantic"):
         found = await search(client, "postgres", mode=mode, tuning=tight, limit=2)
         assert ids_of(found) == [mine[2]], mode
+
+
+async def test_full_text_finds_the_same_hits_whichever_way_it_checks_the_filters(
+    client: AsyncClient, daemon: Daemon,
+) -> None:
+    """In a project that holds few of the memories, full text ranks with the filters at once when their share is
+    known (a hybrid search's graph signal counted it), instead of ranking without them and falling back: the same
+    hits, the same scores, whichever way."""
+    await store_all(client, [f"postgres replication note {i}" for i in range(40)], project="other")
+    mine = await store_all(client, ["postgres vacuum settings in loomd/db.py", "vacuum postgres nightly (loomd/db.py)",
+                                    "postgres vacuum full on loomd/db.py, then vacuum analyze",
+                                    "loomd/db.py: postgres autovacuum off, vacuum by hand"])
+    await caught_up(client)
+    where, params = memory_filters("p", None, None, None, None, None, False)
+    ctx = daemon.retrieval_context()
+    tight, query = {"candidates": 3}, "postgres vacuum loomd/db.py"
+    retrieval._TOTALS.clear()
+    assert retrieval._counted(ctx, where, params) is None
+    # Ranked without the filters first: this project's memories are the best, among its best 2n.
+    first = await search(client, query, mode="keyword", tuning=tight, limit=3)
+    await search(client, query, tuning=tight, limit=3)  # hybrid: the graph signal counts the project's memories
+    counted, indexed = retrieval._counted(ctx, where, params), retrieval._counted(ctx, "1", [])
+    assert counted is not None and indexed is not None and 2 * counted < indexed
+    then = await search(client, query, mode="keyword", tuning=tight, limit=3)  # ranked with the filters at once
+    assert len(first) == 3 and set(ids_of(first)) <= set(mine)
+    assert [(r["id"], r["explain"]["fts"]) for r in then] == [(r["id"], r["explain"]["fts"]) for r in first]
 
 
 async def test_recurrence_follows_a_changed_text(client: AsyncClient, daemon: Daemon) -> None:
