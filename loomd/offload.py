@@ -167,9 +167,16 @@ class Offload:
         return future
 
     async def call(self, lane: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` in the child on `lane`, from the event loop."""
+        """Run `fn(*args)` in the child on `lane`, from the event loop.
+
+        A background lane's call is sent from a thread: its arguments are large (an observer's chunk of events), and
+        pickling them and writing them into a pipe the child drains at its own pace held the loop 7-10 ms at a time
+        during a catch-up, hooks waiting. A hook's own call (the parse lane) is sent at once: a thread's trip costs
+        it more than its small write."""
         if lane in DIRECT:
             return await asyncio.to_thread(self._call_direct, lane, fn, args)
+        if lane in BACKGROUND:
+            return await asyncio.wrap_future(await asyncio.to_thread(self.submit, lane, fn, *args))
         return await asyncio.wrap_future(self.submit(lane, fn, *args))
 
     def call_sync(self, lane: str, fn: Callable[..., T], *args: Any) -> T:
