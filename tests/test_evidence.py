@@ -251,21 +251,28 @@ def test_held_terms_stems_only_the_words_that_can_hold_a_query_term() -> None:
     missed = [w for w, own in stems.items() if own and not _may_stem_to(w, _stem_keys(own))]
     assert len(stems) > 20_000 and not missed, missed[:20]
 
-    def every_word(query: str, text: str) -> frozenset[str]:  # the reference: every word of the text stemmed
-        terms = query_terms(query)
+    def every_word(query: str | list[str], text: str) -> frozenset[str]:  # the reference: every word stemmed
+        terms = query_terms(query) if isinstance(query, str) else query
         held = {t for own in stemmer.many(query_terms(text, frozenset(), limit=None)).values() for t in own}
         return frozenset(term for term, own in stemmer.many(terms).items() if set(own) <= held)
 
     queries = [line for line in lines[::7] if query_terms(line)][:40]
     assert len(queries) >= 30
-    checked = 0
+    checked, shorter = 0, 0
     for query in queries:
         for text in lines[:100]:
             got = held_terms(query, text)
             assert got == every_word(query, text), (query, text)
             checked += bool(got)
+            shorter += len(set(query_terms(text, frozenset(), limit=None))) < len(query_terms(query))
+        terms = query_terms(query, limit=None)  # a memory's words asked of a short prompt (`relevance.echoes`)
+        for prompt in ("why does the build fail?", query[:60], "key_value", "_ a b"):
+            assert held_terms(terms, prompt) == every_word(terms, prompt), (terms, prompt)
     assert checked > 50  # the texts do hold query terms: the comparison is not between empty sets
+    assert 100 < shorter < 3900  # both ways: the query's terms stemmed first, and the text's words first
     assert held_terms("keys buying daily", "Daily key: they buy") == frozenset({"keys", "buying", "daily"})
+    # A term with no index term ("_") is held by any text, as the index reads it; the text the short side.
+    assert held_terms(["_", "keys", "buying", "zzz"], "key") == frozenset({"_", "keys"})
 
 
 def test_a_commands_window_always_shows_its_outcome() -> None:

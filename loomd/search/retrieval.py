@@ -244,15 +244,24 @@ def stemmer() -> Stemmer:
 def held_terms(query: str | Sequence[str], text: str) -> frozenset[str]:
     """The query's terms (`query_terms`, or already split) that the text holds, as the index reads both (stemmed).
 
-    Only the text's words that can stem to one of the query's index terms go through the stemmer (`_stem_keys`):
-    the others cannot hold one. A long tool output after a catch-up is hundreds of words not stemmed yet, ~15 µs
-    each: a prompt's recall on the hook path spent up to 25 ms choosing its windows."""
+    The shorter side is stemmed, and of the other only the words that can stem to one of its index terms
+    (`_may_stem_to`): the others cannot match one. A long tool output after a catch-up is hundreds of words not
+    stemmed yet, ~15 µs each: a prompt's recall on the hook path spent up to 25 ms choosing its windows, and up to 8
+    ms more asking whether its hits only said the prompt back."""
     terms = query_terms(query) if isinstance(query, str) else query
     if not terms:
         return frozenset()
+    words = set(query_terms(text, frozenset(), limit=None))
+    if len(words) < len(terms):
+        # The text is the short side (a prompt, asked which of a memory's many words it holds: `echoes`): its words
+        # are stemmed, and only the terms that can stem to one of theirs. A term with no index term at all ("_")
+        # is held by any text, as the index reads it.
+        held = {t for ts in stemmer().many(words).values() for t in ts}
+        keys = _stem_keys(held)
+        maybe = [t for t in terms if _may_stem_to(t, keys) or not any(c.isalnum() for c in t)]
+        return frozenset(term for term, own in stemmer().many(maybe).items() if set(own) <= held)
     stems, keys = _query_stems(tuple(terms))
-    words = [w for w in set(query_terms(text, frozenset(), limit=None)) if _may_stem_to(w, keys)]
-    held = {t for ts in stemmer().many(words).values() for t in ts}
+    held = {t for ts in stemmer().many(w for w in words if _may_stem_to(w, keys)).values() for t in ts}
     return frozenset(term for term, own in stems if own <= held)
 
 
