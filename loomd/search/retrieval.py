@@ -32,6 +32,7 @@ from loomd.search.fusion import (
     CANDIDATES,
     CONTEXT_WEIGHT,
     DEFAULT_WEIGHTS,
+    MAX_QUERY_TERMS,
     RRF_K,
     STOPWORDS,
     fts_match,
@@ -252,10 +253,11 @@ def held_terms(query: str | Sequence[str], text: str) -> frozenset[str]:
     if not terms:
         return frozenset()
     words = set(query_terms(text, frozenset(), limit=None))
-    if len(words) < len(terms):
+    if len(terms) > MAX_QUERY_TERMS and len(words) < len(terms):
         # The text is the short side (a prompt, asked which of a memory's many words it holds: `echoes`): its words
         # are stemmed, and only the terms that can stem to one of theirs. A term with no index term at all ("_")
-        # is held by any text, as the index reads it.
+        # is held by any text, as the index reads it. (A query's terms, at most MAX_QUERY_TERMS, are stemmed once
+        # for all the lines of its windows: `_query_stems`.)
         held = {t for ts in stemmer().many(words).values() for t in ts}
         keys = _stem_keys(held)
         maybe = [t for t in terms if _may_stem_to(t, keys) or not any(c.isalnum() for c in t)]
