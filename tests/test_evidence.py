@@ -248,6 +248,13 @@ def test_held_terms_stems_only_the_words_that_can_hold_a_query_term() -> None:
     words.update(w for w in vocabulary if w.isalpha())
     stemmer = Stemmer()
     stems = stemmer.many(sorted(words))
+    # Tokenized as one text (a separator token between the words), as when each word was a row of its own.
+    sample = sorted(words)[::8]
+    assert [stems[w] for w in sample] == stemmer._a_row_each(sample)
+    assert stemmer._as_one_text(["go", "x_" + Stemmer.SEPARATOR]) is None  # a word holding the separator: a row each
+    assert Stemmer().many(["going", Stemmer.SEPARATOR + "ing", "key_value"]) == {
+        "going": ("go",), Stemmer.SEPARATOR + "ing": stemmer._a_row_each([Stemmer.SEPARATOR + "ing"])[0],
+        "key_value": ("kei", "valu")}
     missed = [w for w, own in stems.items() if own and not _may_stem_to(w, _stem_keys(own))]
     assert len(stems) > 20_000 and not missed, missed[:20]
 
