@@ -289,8 +289,13 @@ def held_terms(query: str | Sequence[str], text: str) -> frozenset[str]:
         maybe = [t for t in terms if _may_stem_to(t, keys) or not any(c.isalnum() for c in t)]
         return frozenset(term for term, own in stemmer().many(maybe).items() if set(own) <= held)
     stems, keys = _query_stems(tuple(terms))
-    held = {t for ts in stemmer().many(w for w in words if _may_stem_to(w, keys)).values() for t in ts}
+    held = {t for ts in _stems_of_those_that_may(words, keys).values() for t in ts}
     return frozenset(term for term, own in stems if own <= held)
+
+
+def _stems_of_those_that_may(words: Iterable[str], keys: tuple[frozenset[str], ...]) -> dict[str, tuple[str, ...]]:
+    """The index terms of the words that may stem to one starting with `keys` (`_may_stem_to`); the others skipped."""
+    return stemmer().many(w for w in words if _may_stem_to(w, keys))
 
 
 def _prestem(terms: Sequence[str], texts: Iterable[str]) -> None:
@@ -301,7 +306,7 @@ def _prestem(terms: Sequence[str], texts: Iterable[str]) -> None:
     words: set[str] = set()
     for text in texts:
         words.update(query_terms(text, frozenset(), limit=None))
-    stemmer().many(w for w in words if _may_stem_to(w, keys))
+    _stems_of_those_that_may(words, keys)
 
 
 @functools.lru_cache(maxsize=64)
@@ -483,7 +488,7 @@ async def _total(ctx: SearchContext, where: str, params: Sequence[Any]) -> int:
     """How many memories pass the filters (the graph's idf, the keyword budget), recounted after writes at most
     every 2 s (every 2 s at all without the vector service, whose generation counts the writes)."""
     generation = ctx.vectors.generation if ctx.vectors is not None else -1
-    key = (id(ctx.store), where, json.dumps(list(params)))
+    key = _total_key(ctx, where, params)
     cached = _TOTALS.get(key)
     if cached is not None and ((generation >= 0 and cached[0] == generation) or time.monotonic() - cached[1] < 2.0):
         return cached[2]
@@ -497,8 +502,12 @@ async def _total(ctx: SearchContext, where: str, params: Sequence[Any]) -> int:
 def _counted(ctx: SearchContext, where: str, params: Sequence[Any]) -> int | None:
     """How many memories passed the filters when `_total` last counted them (a graph signal's count, maybe minutes
     old), or None: an estimate that costs nothing, where a fresh count scans the memories (`fts_signal`)."""
-    cached = _TOTALS.get((id(ctx.store), where, json.dumps(list(params))))
+    cached = _TOTALS.get(_total_key(ctx, where, params))
     return cached[2] if cached is not None else None
+
+
+def _total_key(ctx: SearchContext, where: str, params: Sequence[Any]) -> tuple[int, str, str]:
+    return id(ctx.store), where, json.dumps(list(params))
 
 
 async def graph_signal(
