@@ -612,6 +612,34 @@ async def test_events_are_purged_only_after_the_observer_passed_them(monkeypatch
         assert payloads in ([], ['{"purged": true}'])
 
 
+async def test_gcs_reads_in_its_transaction_take_an_index_not_every_memory(monkeypatch, home) -> None:
+    """GC holds the writer (every hook's commit waits behind it) for the reads it runs in its transaction: each must
+    find its few rows (hit lately, open tasks, an expiry) by an index, not read every memory (50 ms a read at 100k
+    memories). Checked on SQLite's own plan for every statement GC ran, not on a clock."""
+    async with loomd(monkeypatch, home) as (d, client):
+        for i in range(30):
+            await client.call("store", text=f"Fact {i}: the build cache lives under .cache/{i}", project=PROJECT)
+        await client.call("store", text="Temporary: the CI runner is down today", project=PROJECT, expires=1.0)
+        task = await client.call("task_create", title="Ship the uploader retry", project=PROJECT)
+        async with d.store.atomic() as db:
+            await db.execute("UPDATE memories SET last_hit = ? WHERE id = ?", (time.time(), task["id"]))
+        seen: list[str] = []
+        await d.store.writer._execute(d.store.writer._conn.set_trace_callback, seen.append)
+        try:
+            gc = await client.call("workers_run", name="gc")
+        finally:
+            await d.store.writer._execute(d.store.writer._conn.set_trace_callback, None)
+        assert gc["outcome"] == "ok" and "archive" in {o["action"] for o in gc["output"]}
+        reads = [sql for sql in seen if sql.lstrip().upper().startswith("SELECT") and "FROM memories" in sql]
+        assert len(reads) >= 4, seen  # the working set's, the expiry's, the cap's, the stale tasks'
+        scans = {}
+        for sql in reads:
+            plan = [r[3] for r in await d.store.fetchall("EXPLAIN QUERY PLAN " + sql)]
+            if any(step.startswith("SCAN memories") and "INDEX" not in step for step in plan):
+                scans[sql] = plan
+        assert not scans, scans
+
+
 async def shown(client: AsyncClient, session: str, event: str, cwd: str, **extra: Any) -> str:
     """A hook with context, the way the shim sends it: what the agent was shown."""
     raw = json.dumps({"session_id": session, "transcript_path": f"{cwd}/{session}.jsonl", "cwd": cwd,

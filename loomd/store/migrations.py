@@ -384,3 +384,20 @@ def m011_shared_evidence_archives(db: sqlite3.Connection) -> None:
         {_share_update_trigger(shareable, " AND new.superseded_gid IS old.superseded_gid")}
         """
     )
+
+
+@migration
+def m012_gc_indexes(db: sqlite3.Connection) -> None:
+    """GC's reads in its write transaction find few rows (the memories hit lately, the open tasks, the ones with an
+    expiry) but each read every memory to find them: five scans, 1.2 ms each at 2.6k memories (50 at 100k), and GC
+    held the writer, every hook's commit waiting behind, up to 30 ms during a catch-up. Three partial indexes hold
+    just those rows; GC's queries name the same terms (`CAST(last_hit AS REAL)`, `archived_at IS NULL`), without
+    which SQLite's planner would not take them (a test checks the plans)."""
+    run_script(db,
+        """
+        CREATE INDEX IF NOT EXISTS memories_last_hit ON memories(CAST(last_hit AS REAL)) WHERE last_hit IS NOT NULL;
+        CREATE INDEX IF NOT EXISTS memories_open_tasks ON memories(updated) WHERE kind = 'task' AND archived_at IS NULL;
+        CREATE INDEX IF NOT EXISTS memories_expires ON memories(expires)
+            WHERE expires IS NOT NULL AND archived_at IS NULL;
+        """
+    )
