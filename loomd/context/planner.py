@@ -4,9 +4,11 @@ session, tracks what was injected, recalls per prompt. Rendering is `render.py`'
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -202,12 +204,12 @@ class Planner:
     ) -> tuple[str, list[int]]:
         """Rendered once per session, then returned byte for byte (resume included): the prefix stays cacheable."""
         frozen = self._freezing.get(session_id)
-        if frozen is None:
-            row = await self.store.fetchone("SELECT start_block FROM sessions WHERE id = ?", (session_id,))
-            frozen = row[0] if row is not None else None
         if frozen is not None:
             return frozen, []
-        lines, counts = await start_lines(self.store, project)
+        # The session's frozen block, or what a new one shows: one trip to the reader's thread.
+        frozen, lines, counts = await self.store.read(functools.partial(read_start, project, time.time(), session_id))
+        if frozen is not None:
+            return frozen, []
         text, ids = render_start_block(_label(project), lines, counts, self.config().start_block_budget(agent))
         if self._freezing.setdefault(session_id, text) != text:
             return self._freezing[session_id], []  # a concurrent start rendered first; its block is the session's
@@ -316,7 +318,18 @@ def _recall_line(hit: dict[str, Any]) -> Line:
 
 async def start_lines(store: Store, project: str, now: float | None = None) -> tuple[list[Line], dict[str, int]]:
     """Memories for the start block, in priority order, and the project's counts by kind."""
-    now = now or time.time()
+    _, lines, counts = await store.read(functools.partial(read_start, project, now or time.time(), None))
+    return lines, counts
+
+
+def read_start(project: str, now: float, session_id: str | None,
+               conn: sqlite3.Connection) -> tuple[str | None, list[Line], dict[str, int]]:
+    """On the reader's thread, every read of a start block in one trip: the session's block if it was frozen
+    (`session_id`), else the lines a new one shows and the project's counts by kind (`start_lines`)."""
+    if session_id is not None:
+        row = conn.execute("SELECT start_block FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        if row is not None and row[0] is not None:
+            return row[0], [], {}
     # `project = ?` (never `OR scope = 'user'`, which defeats every index): user-scope memories live in project
     # "user" and are read with a second, equally indexed query.
     projects = (project, "user") if project != "user" else (project,)
@@ -324,13 +337,13 @@ async def start_lines(store: Store, project: str, now: float | None = None) -> t
             " AND (expires IS NULL OR expires > ?)")
     # The covering (project, kind, archived_at) index answers this without the table, in kind order per project.
     counts: dict[str, int] = {}
-    for kind, n in await store.fetchall(" UNION ALL ".join(
+    for kind, n in conn.execute(" UNION ALL ".join(
             "SELECT kind, count(*) FROM memories WHERE project = ? AND archived_at IS NULL"
             " AND kind NOT IN ('observation', 'evidence') GROUP BY kind" for _ in projects), projects):
         counts[kind] = counts.get(kind, 0) + n
     # One subquery per kind and project walks the (project, kind, importance, updated) index and stops at 12 rows
     # (a single `kind IN (...)` query would sort every memory of those kinds: hundreds of ms at 100k memories);
-    # all of them in one statement, because each round trip to the reader thread costs more than the query.
+    # all of them in one statement.
     parts = [(kind, name) for _group, kinds in START_GROUPS for kind in kinds for name in projects]
     # Each kind is written into the statement, not bound: a `kind = ?` compared against a partial index on
     # `kind = 'evidence'` (m010) makes SQLite prepare the whole statement again on every run (0.9 ms at 22
@@ -339,20 +352,20 @@ async def start_lines(store: Store, project: str, now: float | None = None) -> t
         f"SELECT * FROM (SELECT * {base} AND kind = '{_sql_name(kind)}'"
         " ORDER BY importance DESC, updated DESC, id DESC LIMIT 12)" for kind, _ in parts)
     by_kind: dict[str, list[Any]] = {}
-    for row in await store.fetchall(sql, [p for _, name in parts for p in (name, now)]):
+    for row in conn.execute(sql, [p for _, name in parts for p in (name, now)]):
         by_kind.setdefault(row["kind"], []).append(row)
     # What the user asked for in the project's latest observed sessions (the session starting now, and any too short
     # to have been observed, have nothing to show), in their own words (prompts, the words given with a rejection,
     # notes on an answer; what corrects or qualifies the agent first): read through those few sessions' own rows, so
     # the store's size does not matter.
-    asks = await store.fetchall(
+    asks = conn.execute(
         "SELECT m.* FROM (SELECT id FROM sessions WHERE project = ? AND EXISTS (SELECT 1 FROM memories o"
         " WHERE o.session_id = sessions.id AND o.kind = 'observation') ORDER BY last_seen DESC LIMIT ?) s"
         " JOIN memories m ON m.session_id = s.id WHERE m.kind = 'observation' AND m.archived_at IS NULL"
         " AND m.superseded_by IS NULL AND json_extract(m.meta, '$.by') = 'user'"
         " AND json_extract(m.meta, '$.type') = 'goal'"
         " ORDER BY json_extract(m.meta, '$.steers') IS NULL, m.created DESC, m.id DESC LIMIT ?",
-        (project, ASK_SESSIONS, ASK_LINES))
+        (project, ASK_SESSIONS, ASK_LINES)).fetchall()
     lines: list[Line] = []
     for group, kinds in START_GROUPS:
         if group == "asks":
@@ -368,22 +381,22 @@ async def start_lines(store: Store, project: str, now: float | None = None) -> t
                 lines.append(Line(row["id"], "digest", row["created"], row["text"].split("\n", 1)[0]))
                 continue
             lines.append(line_of(row))
-    return await without_contradicted(store, lines), counts
+    return None, without_contradicted(conn, lines), counts
 
 
-async def without_contradicted(store: Store, lines: list[Line]) -> list[Line]:
+def without_contradicted(conn: sqlite3.Connection, lines: list[Line]) -> list[Line]:
     """The lines minus each one a newer live memory contradicts (a `contradicts` edge, either way round): the start
     block never shows a rule next to the rule that replaced it."""
     ids = [line.id for line in lines]
     if not ids:
         return lines
-    rows = await store.fetchall(
+    rows = conn.execute(
         "SELECT e.src_id, e.dst_id, a.created, b.created FROM edges e"
         " JOIN memories a ON a.id = e.src_id JOIN memories b ON b.id = e.dst_id"
         " WHERE e.type = 'contradicts' AND e.src_type = 'memory' AND e.dst_type = 'memory'"
         " AND a.archived_at IS NULL AND b.archived_at IS NULL"
         " AND (e.src_id IN (SELECT value FROM json_each(?)) OR e.dst_id IN (SELECT value FROM json_each(?)))",
-        [json.dumps(ids), json.dumps(ids)])
+        [json.dumps(ids), json.dumps(ids)]).fetchall()
     older = {dst if (src_created, src) > (dst_created, dst) else src for src, dst, src_created, dst_created in rows}
     return [line for line in lines if line.id not in older]
 
