@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 from conftest import caught_up, need_test_data, serving
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loomd.client import AsyncClient, RemoteError
 from loomd.config import Config
-from loomd.context.relevance import asks_memory, recalled, relevant
+from loomd.context.relevance import _TAG, asks_memory, recalled, relevant, without_tag
 from loomd.context.render import CLOSE, OPEN, PROMPT_OPEN, Line, render_start_block, sanitise
 from loomd.daemon import Daemon
 from loomd.search.retrieval import Hit, SignalHit
@@ -228,6 +230,16 @@ async def test_only_a_question_memory_can_answer_gets_a_recall(client: AsyncClie
 ])
 def test_which_prompts_ask_memory(prompt: str, asks: bool) -> None:
     assert asks_memory(prompt) is asks
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(["right", "OK", "okay", "Is That Clear", "clear", "no", "got  it", "x", "ab", " ",
+                                 "   ", "\t", "\n", "\u00a0", "?", "??", ",", ";", "!", ".", "\u212a"]), max_size=14))
+def test_a_closing_tag_is_found_where_it_can_be_as_the_whole_sentence_searched(parts: list[str]) -> None:
+    """`without_tag` searches only a sentence's end for its closing tag ("…, right?"): the same result as the tag's
+    pattern run over the whole sentence, whatever spaces, marks and tag words it ends with."""
+    sentence = "".join(parts)
+    assert without_tag(sentence) == _TAG.sub("", sentence)
 
 
 async def test_recall_never_says_the_prompt_back(client: AsyncClient) -> None:
