@@ -24,7 +24,9 @@ catch-up really runs while the hooks are timed, this variant sets by default (ea
 before each daemon-up spawn (the agent's own time between two hooks): background work waits while live events
 arrive without a pause of 0.5 s (`LiveTraffic`), so hooks sent back to back would measure a catch-up that hardly
 runs. The report says how far the catch-up went during the measurement (`progress`: vectors embedded, events
-observed, observations reflected) and what was left at the end. `--gap-ms 0` measures back to back.
+observed, observations reflected), what was left after each timed round, and after how many of them work was
+still left (`rounds_with_work_left`; `ran_through_measurement` only if after every one: a history too small for
+the measurement leaves its last rounds timed on an idle daemon). `--gap-ms 0` measures back to back.
 
 Every daemon-up report has `writer_holds`: per holder (live hook commits, import slices, each worker, the
 back-fill), how long its transactions held the one writer connection (`status`'s `writer`), which a hook's
@@ -50,6 +52,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,9 +201,11 @@ def summary(xs: list[float]) -> dict[str, Any]:
 Variant = tuple[list[str], bytes | None, dict[str, str]]
 
 
-def measure(variants: dict[str, list[Variant]], runs: int, gap_ms: float = 0.0) -> dict[str, dict[str, Any]]:
+def measure(variants: dict[str, list[Variant]], runs: int, gap_ms: float = 0.0,
+            after_round: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
     """Interleave every variant, `runs` rounds after one warm-up round; a variant may rotate through payloads.
-    `gap_ms`: a pause before each spawn (the agent's own time between two hooks)."""
+    `gap_ms`: a pause before each spawn (the agent's own time between two hooks). `after_round`: called after each
+    timed round, outside the timings (what the catch-up variant samples)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
     waited: dict[str, list[float]] = {name: [] for name in variants}
@@ -220,6 +225,8 @@ def measure(variants: dict[str, list[Variant]], runs: int, gap_ms: float = 0.0) 
                 preempted[name] += nivcsw
                 printed[name] += bool(out)
                 failed[name] += rc != 0
+        if round_ and after_round is not None:
+            after_round()
     # `cpu`: the spawned process's own CPU time; `waited`: its wall time less that (for the CPU, or the daemon).
     return {name: {**summary(xs), "printed_stdout": printed[name], "nonzero_exit": failed[name],
                    "cpu": brief(cpu[name]), "waited": brief(waited[name]), "preempted": preempted[name]}
@@ -408,6 +415,42 @@ def catchup(home: Path) -> dict[str, Any]:
             "observations": observations, "reflected": reflected}
 
 
+class WorkLeft:
+    """After each timed round of the catch-up variant: what the catch-up still had to do (vectors to embed, the
+    history's events to observe, observations to reflect). A round timed with none left measured an idle daemon, so
+    the report says how many rounds had work left, not only whether the import ran."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.rounds: list[tuple[int, int, int]] = []
+
+    def sample(self) -> None:
+        from loomd.store.db import connect_sync
+
+        pending = int(call(self.home, "status")["embedder"].get("pending") or 0)
+        conn = connect_sync(self.home / "loomd.db")
+        try:
+            # The history's own events: the bench's live sessions (its project) are never idle long enough to be
+            # observed while it runs.
+            unobserved = conn.execute(
+                "SELECT count(*) FROM events e LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
+                " WHERE e.id > coalesce(CAST(c.value AS INTEGER), 0) AND e.project != ?", (f"dir:{PROJECT}",)
+            ).fetchone()[0]
+            unreflected = conn.execute(
+                "SELECT count(*) FROM memories m LEFT JOIN checkpoints c ON c.name = 'reflector:' || m.project"
+                " WHERE m.kind = 'observation' AND m.id > coalesce(CAST(c.value AS INTEGER), 0) AND m.project != ?",
+                (f"dir:{PROJECT}",)).fetchone()[0]
+        finally:
+            conn.close()
+        self.rounds.append((pending, unobserved, unreflected))
+
+    def report(self) -> dict[str, Any]:
+        busy = [any(r) for r in self.rounds]
+        return {"rounds": len(self.rounds), "rounds_with_work_left": sum(busy),
+                "ran_through_measurement": all(busy),
+                "left_after_each_round": [list(r) for r in self.rounds]}
+
+
 def progress(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What the catch-up did while the hooks were timed: zero everywhere means it hardly ran."""
     return {key: (after.get(key) or 0) - (before.get(key) or 0) for key in ("embedded", "observed", "reflected")}
@@ -556,14 +599,17 @@ def main(argv: list[str] | None = None) -> int:
                     size = opts.background_import or opts.background_catchup
                     background = (BackgroundImport(root / "history", up_home, size, opts.repo.absolute()) if size
                                   else None)
-                    if background is not None and opts.background_catchup:
+                    left = WorkLeft(up_home) if background is not None and opts.background_catchup else None
+                    if left is not None and background is not None:
                         background.wait()
                         before = catchup(up_home)
-                    up = measure(variants, runs, up_gap_ms)
-                    if background is not None and opts.background_catchup:
+                    up = measure(variants, runs, up_gap_ms, left.sample if left is not None else None)
+                    if left is not None and background is not None:
                         after = catchup(up_home)
-                        report["up"] = {"background_catchup": {**background.finish(), "at_start": before,
-                                                               "at_end": after, "progress": progress(before, after)}}
+                        # The import itself ended before the measurement began: what ran through it is the catch-up.
+                        report["up"] = {"background_catchup": {**background.finish(), **left.report(),
+                                                               "at_start": before, "at_end": after,
+                                                               "progress": progress(before, after)}}
                     elif background is not None:
                         report["up"] = {"background_import": background.finish()}
                     report["up"] = {**report.get("up", {}),
