@@ -77,6 +77,34 @@ def test_query_terms() -> None:
     assert len(query_terms(" ".join(f"w{i}" for i in range(100)))) == fusion.MAX_QUERY_TERMS
 
 
+def _terms_one_by_one(text: str, stopwords: frozenset[str], limit: int | None) -> list[str]:
+    """`query_terms` as its docstring defines it, word by word: what the fast one must equal."""
+    terms: dict[str, None] = {}
+    for word in fusion._TERM_RE.findall(text.lower()):
+        term = word.strip("'")
+        if term.endswith("'s"):
+            term = term[:-2]
+        if term and term not in stopwords and term not in terms and not (len(term) == 1 and term.isalpha()):
+            terms[term] = None
+            if len(terms) == limit:
+                break
+    return list(terms)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(["the", "a", "x", "it's", "'s", "''", "don't", "Foo", "foo's", "run", "Running",
+                                 "ÉCOLE", "ß", "İstanbul", "ΣΑΣ", "x.com", "e.g.", "8", "of", "snake_case", "'q'",
+                                 " ", "\n", "'", ",", "-"]), max_size=40),
+       st.sampled_from([None, 0, 1, 2, 3, 32]), st.booleans())
+def test_query_terms_looks_at_each_word_once_with_the_same_terms(words: list[str], limit: int | None,
+                                                                    stop: bool) -> None:
+    """Each distinct word is made a term once (remembered) and a limited query stops at its limit: the same terms,
+    in the same order, as splitting the text word by word."""
+    text = "".join(words)
+    stopwords = fusion.STOPWORDS if stop else frozenset()
+    assert query_terms(text, stopwords, limit) == _terms_one_by_one(text, stopwords, limit)
+
+
 def test_fts_query_quotes_every_term() -> None:
     assert fts_query("Where is loomd's socket?") == '"loomd" OR "socket"'
     assert fts_query("") == ""

@@ -18,7 +18,7 @@ import math
 import re
 
 from loomd.ingest.sentences import ACK
-from loomd.search.fusion import query_terms
+from loomd.search.fusion import query_terms, text_terms
 from loomd.search.retrieval import Hit, covered_terms, held_terms
 from loomd.store.entities import extract_entities
 
@@ -48,7 +48,7 @@ _ASKS = re.compile(r"^(?:how|what|why|where|which|when|who|whose)\b(?:\s+\w+)?\s
 def asks_memory(text: str) -> bool:
     """Does the prompt ask something memory can answer: a question (not a request phrased as one) with at least
     `QUESTION_TERMS` words to match? `text`: the user's own words (`clean_user_text`)."""
-    if ACK.match(text) or len(query_terms(text)) < QUESTION_TERMS:
+    if ACK.match(text) or len(query_terms(text, limit=QUESTION_TERMS)) < QUESTION_TERMS:
         return False
     for sentence in _SENTENCE.split(text):
         sentence = _LEAD.sub("", without_tag(sentence.strip()))
@@ -82,7 +82,7 @@ def without_tag(sentence: str) -> str:
 def echoes(prompt: str, text: str) -> bool:
     """Does a memory only say the prompt back (the same question from an earlier session, its capture): all of its
     words are the prompt's but for a few?"""
-    terms = query_terms(text, limit=None)
+    terms = tuple(text_terms(text))
     new = len(terms) - len(held_terms(terms, prompt))
     return new <= ECHO_NEW_SHARE * len(terms)
 

@@ -8,6 +8,7 @@ vector KNN over neighbour-mixed vectors, by weighted RRF with a small k.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
@@ -51,17 +52,31 @@ def query_terms(text: str, stopwords: frozenset[str] = STOPWORDS, limit: int | N
     """Lower-cased non-stopword terms of `text`, first occurrence order, possessive 's dropped, at most `limit`.
 
     A lone letter is no term: it is a piece of a word ("e.g.", "D-Bus", "x.com"), and code is full of them (`e`, `x`,
-    `-d`), so it matches noise (coding QA dev set: venus-06 7 -> 5; a digit stays, "port 8 of 10")."""
+    `-d`), so it matches noise (coding QA dev set: venus-06 7 -> 5; a digit stays, "port 8 of 10").
+
+    Each distinct word is looked at once (`_term`, remembered): a passage says the same words many times, and this
+    ran for every hit of a prompt's recall, up to half of its time on the hook path."""
+    lowered = text.lower()
+    if limit is None or limit <= 0:
+        words = dict.fromkeys(_TERM_RE.findall(lowered))  # first occurrence order, as the terms they make
+        return list(dict.fromkeys(filter(None, map(_term, words, itertools.repeat(stopwords)))))
     terms: dict[str, None] = {}
-    for raw in _TERM_RE.findall(text.lower()):
-        term = raw.strip("'")
-        if term.endswith("'s"):
-            term = term[:-2]
-        if term and term not in stopwords and term not in terms and not (len(term) == 1 and term.isalpha()):
+    for match in _TERM_RE.finditer(lowered):  # up to the limit: a long text is not split to its end
+        term = _term(match.group(), stopwords)
+        if term and term not in terms:
             terms[term] = None
             if len(terms) == limit:
                 break
     return list(terms)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _term(word: str, stopwords: frozenset[str]) -> str:
+    """The term a word of `_TERM_RE` makes, or "" (a stopword, a lone letter)."""
+    term = word.strip("'")
+    if term.endswith("'s"):
+        term = term[:-2]
+    return "" if term in stopwords or (len(term) == 1 and term.isalpha()) else term
 
 
 @functools.lru_cache(maxsize=1024)

@@ -278,7 +278,7 @@ def held_terms(query: str | Sequence[str], text: str) -> frozenset[str]:
     terms = query_terms(query) if isinstance(query, str) else query
     if not terms:
         return frozenset()
-    words = set(query_terms(text, frozenset(), limit=None))
+    words = text_words(text)
     if len(terms) > MAX_QUERY_TERMS and len(words) < len(terms):
         # The text is the short side (a prompt, asked which of a memory's many words it holds: `echoes`): its words
         # are stemmed, and only the terms that can stem to one of theirs. A term with no index term at all ("_")
@@ -305,8 +305,16 @@ def _prestem(terms: Sequence[str], texts: Iterable[str]) -> None:
     _, keys = _query_stems(tuple(terms))
     words: set[str] = set()
     for text in texts:
-        words.update(query_terms(text, frozenset(), limit=None))
+        words.update(text_words(text))
     _stems_of_those_that_may(words, keys)
+
+
+@functools.lru_cache(maxsize=512)  # a recall's hits and window lines, not more: it keeps their texts alive
+def text_words(text: str) -> frozenset[str]:
+    """Every word of `text` (`query_terms` without stopwords), remembered for the texts seen last: a prompt's recall
+    asks `held_terms` of the same hit and line texts several times (its windows, `_prestem`, `echoes`, `relevant`),
+    and splitting a passage was up to half of that recall's time on the hook path."""
+    return frozenset(query_terms(text, frozenset(), limit=None))
 
 
 @functools.lru_cache(maxsize=64)
