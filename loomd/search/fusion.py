@@ -70,7 +70,7 @@ def query_terms(text: str, stopwords: frozenset[str] = STOPWORDS, limit: int | N
     return list(terms)
 
 
-@functools.lru_cache(maxsize=8192)  # the words of a recall's hits; more would only hold memory (RSS is bounded)
+@functools.lru_cache(maxsize=4096)  # the words of a recall's hits; more would only hold memory (RSS is bounded)
 def _term(word: str, stopwords: frozenset[str]) -> str:
     """The term a word of `_TERM_RE` makes, or "" (a stopword, a lone letter)."""
     term = word.strip("'")

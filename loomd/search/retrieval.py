@@ -309,7 +309,7 @@ def _prestem(terms: Sequence[str], texts: Iterable[str]) -> None:
     _stems_of_those_that_may(words, keys)
 
 
-@functools.lru_cache(maxsize=512)  # a recall's hits and window lines, not more: it keeps their texts alive
+@functools.lru_cache(maxsize=128)  # a recall's hits and the lines it is choosing among: it keeps their texts alive
 def text_words(text: str) -> frozenset[str]:
     """Every word of `text` (`query_terms` without stopwords), remembered for the texts seen last: a prompt's recall
     asks `held_terms` of the same hit and line texts several times (its windows, `_prestem`, `echoes`, `relevant`),
