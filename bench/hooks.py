@@ -394,8 +394,9 @@ class BackgroundImport:
                 "seconds": round(time.monotonic() - self.started, 1)}
 
 
-def catchup(home: Path) -> dict[str, Any]:
-    """How far the daemon has caught up: vectors embedded and pending, events observed (the observer's watermarks)."""
+def catchup(home: Path, besides: str | None = None) -> dict[str, Any]:
+    """How far the daemon has caught up: vectors embedded and pending, events observed (the observer's watermarks);
+    `besides`: the events and observations of that project left out."""
     from loomd.store.db import connect_sync
 
     embedder = call(home, "status")["embedder"]
@@ -403,10 +404,12 @@ def catchup(home: Path) -> dict[str, Any]:
     try:
         events, observed = conn.execute(
             "SELECT count(*), coalesce(sum(e.id <= coalesce(CAST(c.value AS INTEGER), 0)), 0) FROM events e"
-            " LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id").fetchone()
+            " LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id WHERE e.project IS NOT ?",
+            (besides,)).fetchone()
         observations, reflected = conn.execute(
             "SELECT count(*), coalesce(sum(m.id <= coalesce(CAST(c.value AS INTEGER), 0)), 0) FROM memories m"
-            " LEFT JOIN checkpoints c ON c.name = 'reflector:' || m.project WHERE m.kind = 'observation'").fetchone()
+            " LEFT JOIN checkpoints c ON c.name = 'reflector:' || m.project WHERE m.kind = 'observation'"
+            " AND m.project IS NOT ?", (besides,)).fetchone()
     finally:
         conn.close()
     return {"embedded": embedder.get("embedded"), "vectors_pending": embedder.get("pending"),
@@ -425,23 +428,11 @@ class WorkLeft:
         self.rounds: list[tuple[int, int, int]] = []
 
     def sample(self) -> None:
-        from loomd.store.db import connect_sync
-
-        pending = int(call(self.home, "status")["embedder"].get("pending") or 0)
-        conn = connect_sync(self.home / "loomd.db")
-        try:
-            # The history's own events: the bench's live sessions (its project) are never idle long enough to be
-            # observed while it runs.
-            unobserved = conn.execute(
-                "SELECT count(*) FROM events e LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
-                " WHERE e.id > coalesce(CAST(c.value AS INTEGER), 0) AND e.project != ?", (f"dir:{PROJECT}",)
-            ).fetchone()[0]
-            unreflected = conn.execute(
-                "SELECT count(*) FROM memories m LEFT JOIN checkpoints c ON c.name = 'reflector:' || m.project"
-                " WHERE m.kind = 'observation' AND m.id > coalesce(CAST(c.value AS INTEGER), 0) AND m.project != ?",
-                (f"dir:{PROJECT}",)).fetchone()[0]
-        finally:
-            conn.close()
+        # The history's own work: the bench's live sessions (its project) are never idle long enough to be observed
+        # while it runs.
+        now = catchup(self.home, besides=f"dir:{PROJECT}")
+        pending, unobserved = int(now["vectors_pending"] or 0), now["events"] - now["observed"]
+        unreflected = now["observations"] - now["reflected"]
         self.rounds.append((pending, unobserved, unreflected))
 
     def report(self) -> dict[str, Any]:

@@ -82,8 +82,17 @@ def _term(word: str, stopwords: frozenset[str]) -> str:
 @functools.lru_cache(maxsize=1024)
 def text_terms(text: str) -> frozenset[str]:
     """The set of `query_terms(text, limit=None)`, remembered for the texts seen last: the repeat checks of a search
-    compare every hit shown (~20 µs a text to split), and the same memories come back across queries."""
-    return frozenset(query_terms(text, limit=None))
+    compare every hit shown (~20 µs a text to split), and the same memories come back across queries. Its words
+    (`text_words`) less the stopwords: a word makes the same term with or without them, or none."""
+    return text_words(text) - STOPWORDS
+
+
+@functools.lru_cache(maxsize=128)  # a recall's hits and the lines it is choosing among: it keeps their texts alive
+def text_words(text: str) -> frozenset[str]:
+    """Every word of `text` (`query_terms` without stopwords), remembered for the texts seen last: a prompt's recall
+    asks `held_terms` of the same hit and line texts several times (its windows, `_prestem`, `echoes`, `relevant`),
+    and splitting a passage was up to half of that recall's time on the hook path."""
+    return frozenset(query_terms(text, frozenset(), limit=None))
 
 
 def fts_match(terms: Sequence[str]) -> str:

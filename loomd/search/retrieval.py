@@ -39,6 +39,7 @@ from loomd.search.fusion import (
     query_terms,
     score_by_entities,
     text_terms,
+    text_words,
     weighted_rrf,
 )
 from loomd.search.windows import GAP, LEAD_CHARS, WINDOW_CHARS, best_windows, merge_passages, passage_head
@@ -307,14 +308,6 @@ def _prestem(terms: Sequence[str], texts: Iterable[str]) -> None:
     for text in texts:
         words.update(text_words(text))
     _stems_of_those_that_may(words, keys)
-
-
-@functools.lru_cache(maxsize=128)  # a recall's hits and the lines it is choosing among: it keeps their texts alive
-def text_words(text: str) -> frozenset[str]:
-    """Every word of `text` (`query_terms` without stopwords), remembered for the texts seen last: a prompt's recall
-    asks `held_terms` of the same hit and line texts several times (its windows, `_prestem`, `echoes`, `relevant`),
-    and splitting a passage was up to half of that recall's time on the hook path."""
-    return frozenset(query_terms(text, frozenset(), limit=None))
 
 
 @functools.lru_cache(maxsize=64)
