@@ -6,29 +6,32 @@ workers (`workers_run`, when the daemon has that op) run together against one `p
 private LOOMD_HOME (or `--socket` of a running daemon). The daemon's RSS, open descriptors and threads are sampled
 every second. Errors must be 0 and RSS flat after warm-up. Prints one JSON object on stdout.
 
-`--fixed-size` (issue #17) holds the store's size constant by GC, under retention set explicitly (none is on by
-default): raw events are purged a minute after the observer passed them (`event_ttl_days`, and the evidence
-passages made from them with them), each project keeps at most 300 live memories (`project_memory_cap`), archived
-memories are deleted a minute after (`archived_ttl_days`), the working set (what GC never touches: memories injected
-or hit recently) spans the last minute, not a week (`working_set_days`: at the soak's pace a week is its whole life,
-and everything ever injected would be kept), the workers' runs are kept a minute (`job_history_days`), the workers
-run every 10 s. The samples then add the database's bytes
-(file and WAL: `db_mb`; the pages holding data, without the free list: `live_mb`) and the offload process's RSS
-(the embedding model lives there); the slopes are taken over each and over the sum of the RSSs, and the JSON ends
-with the database's largest tables and indexes (`db_tables`, MB and rows, read after the daemon stopped).
+`--fixed-size` (issue #17) holds the store's size constant by GC, at 10 hook events a second per agent (the load the
+observer keeps up with here: see FIXED_SIZE_RATE), under retention set explicitly (none is on by default): raw
+events are purged a minute after the observer passed them (`event_ttl_days`, and the evidence passages made from
+them with them), each project keeps at most 300 live memories (`project_memory_cap`), archived memories are deleted
+a minute after (`archived_ttl_days`), the working set (what GC never touches: memories injected or hit recently)
+spans the last minute, not a week (`working_set_days`: at the soak's pace a week is its whole life, and everything
+ever injected would be kept), the workers' runs are kept a minute (`job_history_days`), the workers run every 10 s.
+The samples then add the database's bytes (file and WAL: `db_mb`; the pages holding data, without the free list:
+`live_mb`) and the offload process's RSS (the embedding model lives there); the slopes are taken over each and over
+the sum of the RSSs, and the JSON ends with the database's largest tables and indexes (`db_tables`, MB and rows,
+read after the daemon stopped).
 
-Slopes: `..._after_warmup` skips the first 10% of the run (at least 3 s). Under `--fixed-size` the store only reaches
-its constant size once the retention chain has run through once (events live `event_ttl_days`, are observed after
-`observe_idle_s`, their memories archived and then deleted `archived_ttl_days` later, each step on a worker
+Slopes: `..._after_warmup` skips the first 10% of the run (at least 3 s). Under `--fixed-size` the store only
+reaches its constant size once the retention chain has run through once (events live `event_ttl_days`, are observed
+after `observe_idle_s`, their memories archived and then deleted `archived_ttl_days` later, each step on a worker
 interval): `..._settled` skips that long too (`settle_s`, 160 s with the settings above) and is the number to judge
 a fixed size by. `anon_mb` is the daemon's anonymous RSS (heaps: Python's, SQLite's, malloc's arenas), `file_mb` its
-mapped files. `settled` splits the settled span into thirds: each third's max and the last third's slope tell a
-high-water mark (what fills up to a bound: a cache, an arena; the last third no higher than the middle one, its
-slope ~0) from growth (both keep rising). `events_held` splits what the store holds into what the observer has not
-passed yet (`unobserved`: GC may not purge it, whatever its age; it stays small while the observer keeps up) and
-the rest (`observed`: what the retention holds constant).
+mapped files; `sqlite_mb`, `malloc_used_mb`, `malloc_kept_mb` and `python_blocks` split the anonymous part as the
+daemon itself counts it (`status`'s `memory`). `settled` splits the settled span into thirds: each third's max and
+the last third's slope tell a high-water mark (what fills up to a bound: a cache, an arena; the last third no higher
+than the middle one, its slope ~0) from growth (both keep rising). `events_held` splits what the store holds into
+what the observer has not passed yet (`unobserved`: GC may not purge it, whatever its age; it stays small while the
+observer keeps up) and the rest (`observed`: what the retention holds constant).
 
-    python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25] [--socket PATH] [--fixed-size]
+    python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25 (10 with --fixed-size)] [--socket PATH]
+                         [--fixed-size]
 """
 
 from __future__ import annotations
@@ -208,6 +211,7 @@ async def sampler(pid: int | None, sock: Path, stop: asyncio.Event, every: float
             row.update(events=status["counts"]["events"], memories=status["counts"]["memories"],
                        queue=status["queue_depth"], inflight=status["inflight"], spool=status["spool_backlog"],
                        db_mb=round(status["db_bytes"] / 2**20, 2))
+            row.update({k: v for k, v in (status.get("memory") or {}).items() if k in MEMORY_PARTS})
             if live is not None:
                 with contextlib.suppress(sqlite3.Error):
                     pages, free, size = (live.execute(f"PRAGMA {p}").fetchone()[0]
@@ -303,9 +307,11 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
                          "slope_mb_per_min_after_warmup": round(slope(steady, "rss_mb") * 60, 2),
                          "slope_mb_per_min_settled": round(slope(settled, "rss_mb") * 60, 2),
                          "settled": thirds(settled, "rss_mb")}
-        for key in ("anon_mb", "file_mb"):
-            out[key] = {"after_warmup": steady[0][key], "end": series[-1][key], "max": max(r[key] for r in series),
-                        "slope_mb_per_min_settled": round(slope(settled, key) * 60, 2), "settled": thirds(settled, key)}
+        for key in ("anon_mb", "file_mb", *MEMORY_PARTS):
+            if all(key in r for r in series):
+                out[key] = {"after_warmup": steady[0][key], "end": series[-1][key], "max": max(r[key] for r in series),
+                            "slope_per_min_settled": round(slope(settled, key) * 60, 2),
+                            "settled": thirds(settled, key)}
         if all("total_rss_mb" in r for r in series):
             out["total_rss_mb"] = {"after_warmup": steady[0]["total_rss_mb"], "end": series[-1]["total_rss_mb"],
                                    "max": max(r["total_rss_mb"] for r in series),
@@ -385,6 +391,14 @@ def slope(rows: list[dict[str, Any]], key: str) -> float:
 
 # --fixed-size: what GC keeps (events a minute after they were observed, 300 live memories a project, archived ones a
 # minute).
+# The daemon's own account of its anonymous memory (`status`'s `memory`, loomd/memory.py): SQLite's allocations, the
+# heap's bytes in use and freed-but-kept, Python's objects (a count); which of them grows tells a cache filling up to
+# its bound, a heap that is not handed back and objects that pile up apart.
+MEMORY_PARTS = ("sqlite_mb", "malloc_used_mb", "malloc_kept_mb", "python_blocks")
+# A store held at a fixed size needs an observer that keeps up: at 25 events a second per agent (with the searcher,
+# the planner and the writer) the soak takes both CPUs of a 2-CPU machine, the workers get only their slices of an
+# unbroken stream of hooks, and the events waiting for the observer grew by ~500 a minute, so the store grew with them.
+FIXED_SIZE_RATE = 10.0
 FIXED_SIZE = {"LOOMD_EVENT_TTL_DAYS": str(60 / 86400), "LOOMD_PROJECT_MEMORY_CAP": "300",
               "LOOMD_ARCHIVED_TTL_DAYS": str(60 / 86400), "LOOMD_WORKING_SET_DAYS": str(60 / 86400),
               "LOOMD_WORKER_INTERVAL_S": "10", "LOOMD_OBSERVE_IDLE_S": "20", "LOOMD_JOB_HISTORY_DAYS": str(60 / 86400)}
@@ -434,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--quick", action="store_true", help="30 seconds")
     parser.add_argument("--agents", type=int, default=4, help="concurrent agents sending hook events")
-    parser.add_argument("--rate", type=float, default=25.0, help="hook events per second per agent")
+    parser.add_argument("--rate", type=float, default=None,
+                        help=f"hook events per second per agent (default 25; {FIXED_SIZE_RATE:g} with --fixed-size)")
     parser.add_argument("--socket", type=Path, default=None, help="soak a running daemon instead of a fresh one")
     parser.add_argument("--embedder", default="local", help="LOOMD_EMBEDDER for the fresh daemon")
     parser.add_argument("--no-series", action="store_true", help="leave the per-second samples out of the JSON")
@@ -442,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.seconds = 30.0
+    if opts.rate is None:
+        opts.rate = FIXED_SIZE_RATE if opts.fixed_size else 25.0
     report: dict[str, Any] = {
         "bench": "soak",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loomd import __version__, offload
+from loomd import __version__, memory, offload
 from loomd.config import Config, load_config
 from loomd.context.planner import Planner
 from loomd.errors import LoomdError
@@ -336,6 +336,7 @@ class Daemon:
             "offload": {**self.offload.status(), "import_parsers": self.history.pool.status()},
             "import": {"running": self.history.active, "files_in_flight": self.history.in_flight},
             "service": {"answer": self.answered.summary(), "arrival": self.arrived.summary()},
+            "memory": memory.usage(),
         }
 
 

@@ -99,7 +99,7 @@ class Ops:
             "storage": self._storage(db), "offload": run["offload"], "import": run["import"],
             "writer": {"waiting": self.s.store.write_waiting, "holds": self.s.store.holds.summary()},
             "shared": await self.s.sync.status() if self.s.sync is not None else {"configured": False},
-            "service": run["service"],
+            "service": run["service"], "memory": run["memory"],
         }
 
     def _storage(self, db: Path) -> dict[str, Any]:

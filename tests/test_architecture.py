@@ -8,7 +8,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "loomd"
 
-SHARED = {"loomd", "config", "errors", "protocol", "client", "redact", "trust", "supervisor", "ignore", "offload"}
+SHARED = {"loomd", "config", "errors", "protocol", "client", "redact", "trust", "supervisor", "ignore", "offload",
+          "memory"}
 # Which parts each part may import (besides itself). Wings are subpackages; the rest are top-level modules.
 ALLOWED: dict[str, set[str]] = {
     "shared": set(),

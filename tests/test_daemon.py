@@ -198,6 +198,17 @@ async def test_status_says_how_long_each_op_and_hook_kind_took_to_answer_and_to_
     assert len(service["answer"]) <= 129 and service["answer"]["other"]["n"] >= 200 - 128, sorted(service["answer"])
 
 
+async def test_status_says_where_the_daemons_memory_is(client: AsyncClient) -> None:
+    """`status`'s `memory` (loomd/memory.py): SQLite's allocations read from the copy of SQLite the daemon uses (its
+    open connections hold page caches), inside malloc's bytes in use; the soak bench splits the RSS by them."""
+    await client.call("store", text="the parser cache lives under .cache/parser", kind="fact", cwd="/x/mem")
+    memory = (await client.call("status"))["memory"]
+    assert memory["python_blocks"] > 10_000, memory
+    if sys.platform.startswith("linux"):  # glibc's mallinfo2 and /proc/self/maps
+        assert 0 < memory["sqlite_mb"] <= memory["sqlite_peak_mb"], memory
+        assert memory["malloc_used_mb"] > memory["sqlite_mb"] and memory["malloc_kept_mb"] >= 0, memory
+
+
 def test_sigterm_exits_zero_and_removes_the_socket(daemon_process, home: Path) -> None:
     proc = daemon_process().start()
     assert proc.sock.exists()
