@@ -28,13 +28,17 @@ observed, observations reflected), what was left after each timed round, and aft
 still left (`rounds_with_work_left`; `ran_through_measurement` only if after every one: a history too small for
 the measurement leaves its last rounds timed on an idle daemon). `--gap-ms 0` measures back to back.
 
+`--quiet-first` measures the daemon-up side once more before the background work begins, on the quiet daemon with
+the same gap (`quiet_same_gap`): what the gap alone costs (a machine idle for half a second wakes slowly: its disk's
+first fsync, its threads' first wake-ups) apart from what the background work adds (`over_quiet`, per kind).
+
 Every daemon-up report has `writer_holds`: per holder (live hook commits, import slices, each worker, the
 back-fill), how long its transactions held the one writer connection (`status`'s `writer`), which a hook's
 commit waits behind.
 
     python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
                           [--gap-ms MS] [--daemon-config KEY=VALUE ...] [--background-import N]
-                          [--background-catchup N] [--repo DIR]
+                          [--background-catchup N] [--quiet-first] [--repo DIR]
 """
 
 from __future__ import annotations
@@ -467,6 +471,18 @@ def split(events: dict[str, Any], floor: dict[str, Any], service: dict[str, Any]
             for event, s in events.items()}
 
 
+def quiet_side(quiet: dict[str, dict[str, Any]], busy: dict[str, Any], events: list[str]) -> dict[str, Any]:
+    """The same daemon measured quiet first, with the same gap: its floor, each kind over that floor, and what the
+    background work added to each kind (`over_quiet`: the busy run's ms over its floor less the quiet run's, at
+    p50 and p99). The gap alone costs something: a machine idle for half a second wakes slowly (its disk's first
+    fsync, its threads' first wake-ups), on a quiet daemon too."""
+    kinds = with_deltas(quiet, events)
+    over = {event: [round(busy[event][f"delta_{q}_vs_floor_ms"] - kinds[event][f"delta_{q}_vs_floor_ms"], 3)
+                    for q in ("p50", "p99")] for event in events}
+    return {"python_floor": {k: quiet["python_floor"][k] for k in ("p50", "p99", "max")},
+            "acceptance": acceptance(kinds), "over_quiet": over}
+
+
 def acceptance(events: dict[str, Any]) -> dict[str, Any]:
     """Issue 17's hook targets at a glance: per kind, ms over the floor at p50/p99 and whether both are met."""
     kinds = {event: [s["delta_p50_vs_floor_ms"], s["delta_p99_vs_floor_ms"], s["meets_target"]]
@@ -510,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the checkout whose daemon (and `loom import`) runs, for an A/B (default: this one)")
     parser.add_argument("--background-catchup", type=int, default=0, metavar="N",
                         help="import an N-event synthetic history first, then measure while the daemon catches up")
+    parser.add_argument("--quiet-first", action="store_true",
+                        help="before the background work begins, measure the daemon-up side once on the quiet daemon,"
+                             " with the same gap (`up.quiet_same_gap`, and each kind's `over_quiet`)")
     opts = parser.parse_args(argv)
     runs = opts.runs or (30 if opts.quick else 200)
     gap_ms = opts.gap_ms or 0.0
@@ -587,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     call(up_home, "store", text="Use uv for every dependency change, never pip", kind="constraint",
                          cwd=PROJECT)
+                    quiet = measure(variants, runs, up_gap_ms) if opts.quiet_first else None
                     size = opts.background_import or opts.background_catchup
                     background = (BackgroundImport(root / "history", up_home, size, opts.repo.absolute()) if size
                                   else None)
@@ -607,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "baselines": {k: up[k] for k in baselines(python, first)},
                                     "events": with_deltas(up, events), "daemon_ready_s": round(ready_s, 3)}
                     report["up"]["acceptance"] = acceptance(report["up"]["events"])
+                    if quiet is not None:
+                        report["up"]["quiet_same_gap"] = quiet_side(quiet, report["up"]["events"], events)
                     if not opts.skip_plain:
                         plain_events = [e for e in events if e != "notify"]
                         report["up"]["plain_plugin_events"] = with_deltas(up, plain_events, prefix="plain:")
