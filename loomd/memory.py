@@ -64,9 +64,9 @@ _MALLINFO = _mallinfo() if sys.platform.startswith("linux") else None
 
 
 def usage() -> dict[str, float]:
-    """MB by part: `sqlite` (now, and its `sqlite_peak`), `malloc_used` (every malloc'd byte in use, SQLite's and
-    Python's large objects among them), `malloc_kept` (freed but kept in the heap: what a trim could hand back), and
-    `python_blocks` (Python's allocated objects, a count)."""
+    """By part, in MB: `sqlite_mb` (and its peak, `sqlite_peak_mb`), `malloc_used_mb` (every malloc'd byte in use,
+    SQLite's and Python's large objects among them), `malloc_kept_mb` (freed but kept in the heap: what a trim could
+    hand back); and `python_blocks` (Python's allocated objects, a count)."""
     out: dict[str, float] = {"python_blocks": sys.getallocatedblocks()}
     if _SQLITE is not None:
         out["sqlite_mb"] = round(_SQLITE.sqlite3_memory_used() / MB, 2)
