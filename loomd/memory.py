@@ -4,14 +4,13 @@ growth: the RSS alone says neither which part grew nor whether it stops.
 
 Read through the C libraries the process has already loaded, so the numbers are the ones of the copy in use: the
 SQLite the store's driver carries (a second copy would count only its own allocations), glibc's `mallinfo2`. Where
-either cannot be found (another C library), its part is left out.
+either cannot be found (another C library), its part is left out. `release_memory` hands the freed heap back.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
-from pathlib import Path
 from typing import Any
 
 MB = 2**20
@@ -23,44 +22,41 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
-def _loaded_sqlite() -> Any:
-    """The SQLite the store runs on: the one built into sqlean.py's module (the store's driver, loomd/store/db.py),
-    else the library the standard `_sqlite3` linked (Linux: named in /proc/self/maps); None if neither is found."""
+def _store_sqlite() -> Any:
+    """The SQLite the store runs on: the one built into sqlean.py's module (the only driver `connect_sync` opens),
+    or None without it (then there is no store either)."""
     try:
         import sqlean._sqlite3 as driver  # type: ignore[import-untyped]
 
-        path: str | None = driver.__file__
-    except ImportError:
-        import sqlite3  # noqa: F401 - maps the library before the lookup
-
-        try:
-            maps = Path("/proc/self/maps").read_text()
-        except OSError:
-            return None
-        paths = {p for line in maps.splitlines() if "libsqlite3" in line and (p := line.split()[-1]).startswith("/")}
-        path = paths.pop() if len(paths) == 1 else None
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(path)  # already loaded: the same copy, with its counters
+        lib = ctypes.CDLL(driver.__file__)  # already loaded: the same copy, with its counters
         lib.sqlite3_memory_used.restype = lib.sqlite3_memory_highwater.restype = ctypes.c_int64
         lib.sqlite3_memory_highwater.argtypes = [ctypes.c_int]
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):
         return None
     return lib
 
 
-def _mallinfo() -> Any:
-    try:
-        fn = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):  # not glibc, or older than 2.33
+def _glibc(name: str) -> Any:
+    try:  # glibc only (Linux); elsewhere there is nothing to read or trim
+        return getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):  # not glibc, or too old for `mallinfo2` (2.33)
         return None
-    fn.restype = _MallInfo2
-    return fn
 
 
-_SQLITE = _loaded_sqlite() if sys.platform.startswith("linux") else None
-_MALLINFO = _mallinfo() if sys.platform.startswith("linux") else None
+_SQLITE = _store_sqlite()
+_MALLINFO = _glibc("mallinfo2")
+if _MALLINFO is not None:
+    _MALLINFO.restype = _MallInfo2
+_MALLOC_TRIM = _glibc("malloc_trim")
+if _MALLOC_TRIM is not None:
+    _MALLOC_TRIM.argtypes = [ctypes.c_size_t]
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the system: without a trim each thread's heap keeps its high-water mark (onnxruntime's
+    run buffers, a parsed file and its pickled events) and the process's RSS stays there while it idles."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def usage() -> dict[str, float]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import functools
 import itertools
 import logging
@@ -40,24 +39,12 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from loomd.errors import ChildDied
+from loomd.memory import release_memory
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CHILD_NICE = 10
-
-try:  # glibc only (Linux); elsewhere there is nothing to do
-    _malloc_trim: Any = ctypes.CDLL("libc.so.6").malloc_trim
-    _malloc_trim.argtypes = [ctypes.c_size_t]
-except (OSError, AttributeError):
-    _malloc_trim = None
-
-
-def release_memory() -> None:
-    """Hand freed heap back to the system: without a trim each thread's heap keeps its high-water mark (onnxruntime's
-    run buffers, a parsed file and its pickled events) and the process's RSS stays there while it idles."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 LANES = ("embed", "query", "work", "parse")
 BACKGROUND = frozenset({"embed", "work"})  # the lanes nobody waits on: the back-fill, the workers' text work

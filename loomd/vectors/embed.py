@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from loomd.errors import ChildDied, EmbedderError
-from loomd.offload import Offload, release_memory
+from loomd.memory import release_memory
+from loomd.offload import Offload
 from loomd.vectors.quantised import gather_rows_first
 
 if TYPE_CHECKING:

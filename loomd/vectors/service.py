@@ -18,7 +18,8 @@ import numpy as np
 
 from loomd.errors import ChildDied, EmbedderError, StorageError
 from loomd.ignore import PRIVATE_FILE, PrivateProjects
-from loomd.offload import Offload, lower_thread_priority, release_memory
+from loomd.memory import release_memory
+from loomd.offload import Offload, lower_thread_priority
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.store.trip import commit_in_one_trip
 from loomd.store.turns import HOLDER
