@@ -612,6 +612,38 @@ async def test_events_are_purged_only_after_the_observer_passed_them(monkeypatch
         assert payloads in ([], ['{"purged": true}'])
 
 
+async def test_a_restated_memory_keeps_only_its_first_and_latest_expired_sources(monkeypatch, home) -> None:
+    """A rule the user restates in every session is one memory with a link to each restatement. Under
+    `event_ttl_days` it keeps the first and the latest of its expired sources and all its recent ones; the rest lose
+    the citation and their events go (kept, a memory in use would hold every event that ever repeated it). Without
+    a retention every link stays."""
+    rule = "Never edit the generated files under gen/; change the templates instead."
+    old, now = time.time() - 9 * 86400, time.time()
+    events = [user(f"r{i}", rule, old + i * 86400) for i in range(6)] + [user("r-now", rule, now - 60)]
+
+    async def links(d: Daemon) -> list[str]:
+        rows = await db_rows(d, "SELECT e.session_id FROM memories m JOIN memory_sources s ON s.memory_id = m.id"
+                                " JOIN events e ON e.id = s.event_id WHERE m.kind = 'constraint' ORDER BY e.id")
+        return [r[0] for r in rows]
+
+    async with loomd(monkeypatch, home) as (d, client):
+        await ingest(client, events)
+        for i in [*range(6), "-now"]:
+            await client.call("workers_run", name="observer", session_id=f"r{i}")
+        assert await d.store.scalar("SELECT count(*) FROM memories WHERE kind = 'constraint'") == 1
+        await client.call("workers_run", name="gc")
+        assert await links(d) == [f"r{i}" for i in range(6)] + ["r-now"]
+    async with loomd(monkeypatch, home, event_ttl_days=1, archived_ttl_days=1) as (d, client):
+        async with d.store.atomic() as db:  # each session's own observation, archived long ago: deleted
+            await db.execute("UPDATE memories SET archived_at = ? WHERE kind = 'observation'", (old,))
+        gc = await client.call("workers_run", name="gc")
+        assert {"sources_thinned", "events_purged"} <= {o["action"] for o in gc["output"]}
+        assert await links(d) == ["r0", "r-now"]
+        kept = await db_rows(d, "SELECT session_id FROM events WHERE session_id LIKE 'r%' ORDER BY id")
+        assert [r[0] for r in kept] == ["r0", "r-now"]  # the uncited expired events are deleted
+        assert await d.store.scalar("SELECT hits FROM memories WHERE kind = 'constraint'") >= 6
+
+
 async def test_gcs_reads_in_its_transaction_take_an_index_not_every_memory(monkeypatch, home) -> None:
     """GC holds the writer (every hook's commit waits behind it) for the reads it runs in its transaction: each must
     find its few rows (hit lately, open tasks, an expiry) by an index, not read every memory (50 ms a read at 100k
