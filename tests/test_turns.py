@@ -11,7 +11,7 @@ from conftest import caught_up
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
 from loomd.ingest.writer import BACKGROUND_EVERY_S, BACKGROUND_SLICE_S, YIELD_MAX_S, LiveTraffic
-from loomd.store.turns import WriteTurns
+from loomd.store.turns import HOLDS_KEPT, Durations, WriteTurns
 
 
 async def until(cond: object, what: str, within: float = 30.0) -> None:
@@ -137,3 +137,19 @@ def test_an_unbroken_stream_of_hooks_gives_background_work_short_slices_after_a_
     # Many short slices, no long turn.
     assert len(runs) >= int(3.0 / BACKGROUND_EVERY_S) and max(runs) <= BACKGROUND_SLICE_S
     assert not live.busy(last_event := t0 + 20.0) and not live.busy(last_event + 0.1)  # quiet: free at once
+
+
+def test_durations_keep_the_last_values_of_each_key_in_a_fixed_ring() -> None:
+    """Each key's percentiles are over its last HOLDS_KEPT values (older ones overwritten as the ring wraps), its
+    count and worst over all of them; past `max_keys`, new keys share "other"."""
+    kept = Durations(max_keys=2)
+    for ms in range(HOLDS_KEPT + 100):  # 0 .. HOLDS_KEPT+99: the first 100 are overwritten
+        kept.record("hook:Stop", float(ms))
+    kept.record("search", 7.0)
+    kept.record("status", 1.0)
+    summary = kept.summary()
+    stop = summary["hook:Stop"]
+    assert stop["n"] == HOLDS_KEPT + 100 and stop["max_ms"] == HOLDS_KEPT + 99
+    assert stop["p50_ms"] == 100 + HOLDS_KEPT // 2 - 1 and stop["p99_ms"] < HOLDS_KEPT + 99
+    assert summary["search"] == {"n": 1, "p50_ms": 7.0, "p90_ms": 7.0, "p99_ms": 7.0, "max_ms": 7.0}
+    assert summary["other"]["n"] == 1 and "status" not in summary

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from array import array
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,7 +25,10 @@ class Durations:
     (`service`)."""
 
     def __init__(self, max_keys: int | None = None) -> None:
-        self._ms: dict[str, deque[float]] = {}
+        # Per key, a ring of HOLDS_KEPT doubles (32 KB), whole from the key's first value: a deque of floats grew by
+        # 32 bytes a value (an object and its pointer) until full, minutes into a busy daemon's life, and a
+        # long-running process's memory must not climb for its own bookkeeping.
+        self._ms: dict[str, array[float]] = {}
         self._count: dict[str, int] = {}
         self._max: dict[str, float] = {}
         self.max_keys = max_keys  # keys named by clients (an op, a hook's event): past this many, one "other"
@@ -32,15 +36,19 @@ class Durations:
     def record(self, holder: str, ms: float) -> None:
         if self.max_keys is not None and holder not in self._ms and len(self._ms) >= self.max_keys:
             holder = "other"
-        self._ms.setdefault(holder, deque(maxlen=HOLDS_KEPT)).append(ms)
-        self._count[holder] = self._count.get(holder, 0) + 1
+        ring = self._ms.get(holder)
+        if ring is None:
+            ring = self._ms[holder] = array("d", bytes(8 * HOLDS_KEPT))
+        count = self._count.get(holder, 0)
+        ring[count % HOLDS_KEPT] = ms
+        self._count[holder] = count + 1
         self._max[holder] = max(self._max.get(holder, 0.0), ms)
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per key: how many so far and the worst; p50/p90/p99 of the last HOLDS_KEPT (milliseconds)."""
         out: dict[str, dict[str, Any]] = {}
-        for holder, kept in sorted(self._ms.items()):
-            xs = sorted(kept)
+        for holder, ring in sorted(self._ms.items()):
+            xs = sorted(ring[:min(self._count[holder], HOLDS_KEPT)])
             at = {q: round(xs[max(0, math.ceil(q * len(xs)) - 1)], 2) for q in (0.5, 0.9, 0.99)}
             out[holder] = {"n": self._count[holder], "p50_ms": at[0.5], "p90_ms": at[0.9], "p99_ms": at[0.99],
                            "max_ms": round(self._max[holder], 2)}
