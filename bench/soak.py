@@ -28,7 +28,9 @@ daemon itself counts it (`status`'s `memory`). `settled` splits the settled span
 the last third's slope tell a high-water mark (what fills up to a bound: a cache, an arena; the last third no higher
 than the middle one, its slope ~0) from growth (both keep rising). `events_held` splits what the store holds into
 what the observer has not passed yet (`unobserved`: GC may not purge it, whatever its age; it stays small while the
-observer keeps up) and the rest (`observed`: what the retention holds constant).
+observer keeps up) and the rest (`observed`: what the retention holds constant); `rows_held` does the same for the
+rest of the store (ROWS_HELD): live and archived memories, evidence passages, their links, edges and pairs, and
+sessions, the one part that grows with the run by design (a row per session, kept for the tailer's offset).
 
     python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25 (10 with --fixed-size)] [--socket PATH]
                          [--fixed-size]
@@ -220,6 +222,7 @@ async def sampler(pid: int | None, sock: Path, stop: asyncio.Event, every: float
                     # Events the observer has not passed yet: GC may not purge them, whatever their age. A
                     # retention holds the rest constant; this part is the observer's lag.
                     row["unobserved"] = live.execute(UNOBSERVED).fetchone()[0]
+                    row.update(zip(ROWS_HELD, live.execute(ROWS_HELD_SQL).fetchone(), strict=True))
             child = (status.get("offload") or {}).get("pid")
             if pid is not None and child:
                 with contextlib.suppress(OSError, KeyError):
@@ -347,6 +350,11 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
                                               "end": settled[-1]["observed_held"],
                                               "max": max(r["observed_held"] for r in settled),
                                               "slope_per_min_settled": round(slope(settled, "observed_held") * 60, 1)}
+        if all(key in r for r in settled for key in ROWS_HELD):
+            out["rows_held"] = {key: {"settled": settled[0][key], "end": settled[-1][key],
+                                      "max": max(r[key] for r in settled),
+                                      "slope_per_min_settled": round(slope(settled, key) * 60, 1),
+                                      "max_by_third": thirds(settled, key)["max_by_third"]} for key in ROWS_HELD}
         # What stays open: the least over the last quarter. A leak raises it; a connection held only while a worker
         # run or a client's call is in flight (the reflector reads on a connection of its own per run) does not.
         out["fds"] = {"start": series[0]["fds"], "after_warmup": steady[0]["fds"], "end": series[-1]["fds"],
@@ -360,6 +368,15 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
     return out
 
 
+# The store's rows by what holds them: live memories (the per-project cap and the working set), archived ones (until
+# `archived_ttl_days` deletes them), evidence passages (their events' retention), the links and pairs hanging on
+# them, and sessions (one row each for good: the tailer resumes a transcript from its offset there).
+ROWS_HELD = ("memories_live", "memories_archived", "evidence", "memory_sources", "edges", "memory_near", "sessions")
+ROWS_HELD_SQL = ("SELECT (SELECT count(*) FROM memories WHERE archived_at IS NULL AND kind != 'evidence'),"
+                 " (SELECT count(*) FROM memories WHERE archived_at IS NOT NULL),"
+                 " (SELECT count(*) FROM memories WHERE archived_at IS NULL AND kind = 'evidence'),"
+                 " (SELECT count(*) FROM memory_sources), (SELECT count(*) FROM edges),"
+                 " (SELECT count(*) FROM memory_near), (SELECT count(*) FROM sessions)")
 UNOBSERVED = ("SELECT count(*) FROM events e LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
               " WHERE e.id > coalesce(CAST(c.value AS INTEGER), 0)")
 
@@ -394,7 +411,7 @@ def slope(rows: list[dict[str, Any]], key: str) -> float:
 # The daemon's own account of its anonymous memory (`status`'s `memory`, loomd/memory.py): SQLite's allocations, the
 # heap's bytes in use and freed-but-kept, Python's objects (a count); which of them grows tells a cache filling up to
 # its bound, a heap that is not handed back and objects that pile up apart.
-MEMORY_PARTS = ("sqlite_mb", "malloc_used_mb", "malloc_kept_mb", "python_blocks")
+MEMORY_PARTS = ("sqlite_mb", "malloc_used_mb", "malloc_kept_mb", "malloc_heaps", "python_blocks")
 # A store held at a fixed size needs an observer that keeps up: at 25 events a second per agent (with the searcher,
 # the planner and the writer) the soak takes both CPUs of a 2-CPU machine, the workers get only their slices of an
 # unbroken stream of hooks, and the events waiting for the observer grew by ~500 a minute, so the store grew with them.

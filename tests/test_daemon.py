@@ -20,8 +20,9 @@ import pytest
 from conftest import need_test_data
 
 from loomd import protocol
-from loomd.client import AsyncClient, RemoteError
+from loomd.client import AsyncClient, Client, RemoteError
 from loomd.daemon import Daemon
+from loomd.memory import MALLOC_ARENAS
 
 
 def hook_payload(session: str = "s1", event: str = "PostToolUse", **extra: object) -> bytes:
@@ -207,6 +208,25 @@ async def test_status_says_where_the_daemons_memory_is(client: AsyncClient) -> N
     if sys.platform.startswith("linux"):  # glibc's mallinfo2 and /proc/self/maps
         assert 0 < memory["sqlite_mb"] <= memory["sqlite_peak_mb"], memory
         assert memory["malloc_used_mb"] > memory["sqlite_mb"] and memory["malloc_kept_mb"] >= 0, memory
+        assert memory["malloc_heaps"] >= 1, memory
+
+
+def test_the_daemon_spreads_its_threads_over_a_few_malloc_heaps(daemon_process) -> None:
+    """`loomd serve` limits malloc's heaps (`memory.limit_heaps`) before its first thread: a heap per thread (glibc's
+    default, up to 8 a CPU) each kept its own freed bytes, and a long-running daemon's RSS crept with them. After
+    work on every thread (events, memories, searches, the workers), `status` counts the heaps."""
+    proc = daemon_process().start()
+    with Client(proc.sock, timeout=30) as c:
+        for i in range(40):
+            c.call("store", text=f"Fact {i}: the build cache for module {i} lives under .cache/m{i}", kind="fact",
+                   cwd="/x/heaps")
+            c.call("search", query=f"build cache module {i}", cwd="/x/heaps", limit=5)
+        for name in ("observer", "reflector", "gc"):
+            c.call("workers_run", name=name)
+        heaps = c.call("status")["memory"].get("malloc_heaps")
+    assert proc.stop(signal.SIGTERM) == 0
+    if sys.platform.startswith("linux"):  # glibc's malloc_info
+        assert heaps is not None and 1 <= heaps <= MALLOC_ARENAS, heaps
 
 
 def test_sigterm_exits_zero_and_removes_the_socket(daemon_process, home: Path) -> None:
