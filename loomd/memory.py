@@ -85,7 +85,7 @@ def limit_heaps(count: int = MALLOC_ARENAS) -> None:
 
 
 def _heaps() -> int | None:
-    """How many malloc heaps the process has: `malloc_info`'s report (XML, one `<heap nr=...>` each), written to memory."""
+    """How many malloc heaps the process has, from `malloc_info`'s report (XML, a `<heap nr=...>` each) in memory."""
     if None in (_MALLOC_INFO, _MEMSTREAM, _FCLOSE, _FREE):
         return None
     buf, size = ctypes.c_void_p(), ctypes.c_size_t()
