@@ -37,6 +37,9 @@ PURGE_BATCH = 5000
 # so a run that first meets a long backlog (a retention set on an old store) must not hold the writer for seconds.
 EVIDENCE_BATCH = 1000
 PURGED_PAYLOAD = '{"purged": true}'
+# A memory's source link (alias s) that is neither its first nor its latest.
+_INSIDE = ("s.event_id > (SELECT min(f.event_id) FROM memory_sources f WHERE f.memory_id = s.memory_id)"
+           " AND s.event_id < (SELECT max(f.event_id) FROM memory_sources f WHERE f.memory_id = s.memory_id)")
 # An edge whose end is gone.
 DANGLING = ("(src_type = 'memory' AND src_id NOT IN (SELECT id FROM memories))"
             " OR (dst_type = 'memory' AND dst_id NOT IN (SELECT id FROM memories))"
@@ -138,7 +141,7 @@ class GC:
                 deleted |= await self.delete_archived(db, cfg, now, protected, report, scope)
             if cfg.event_ttl_days > 0:
                 deleted |= await self.expire_evidence(db, cfg, now, protected, report, scope)
-                await self.thin_sources(db, cfg, now, report, scope)
+                await self.thin_sources(db, thinned, report)
                 await self.purge_events(db, cfg, now, report, scope)
                 await self.prune_sessions(db, cfg, now, report, scope)
             await progress(db, report, 0, report.items_out - before)
@@ -149,6 +152,9 @@ class GC:
         # catch-up. An edge left dangling meanwhile goes at the next run.
         dangling = [int(r[0]) for r in await ctx.store.fetchall(f"SELECT rowid FROM edges WHERE {DANGLING}",
                                                                  background=True)]
+        # The same for the links `thin_sources` drops: finding them reads every link of the memories citing expired
+        # events (two index lookups a link), a read that grows with the store.
+        thinned = await self.links_to_thin(ctx, cfg, now, scope) if cfg.event_ttl_days > 0 else []
         # One transaction in one trip to the writer's thread (`WorkerContext.commit`): a trip per statement waited
         # each time for the event loop's turn while GC held the writer (its run held it up to 105 ms during a
         # catch-up, and the hooks' commits waited behind).
@@ -263,23 +269,29 @@ class GC:
             report.wrote("evidence_expired", count=len(ids), links=unlinked)
         return ids
 
-    async def thin_sources(self, db: aiosqlite.Connection, cfg: Config, now: float, report: RunReport,
-                           scope: Scope) -> None:
+    async def links_to_thin(self, ctx: WorkerContext, cfg: Config, now: float, scope: Scope) -> list[list[int]]:
         """Under `event_ttl_days`, a memory keeps its first and its latest source event, and the rest of those past
-        the TTL (and passed by the observer) stop being its sources. A rule restated in every session is one memory
-        (deduplicated: `hits` counts the restatements) with a link to each restatement's event, and a cited event
-        keeps its row for good: a memory in use would otherwise hold every event that ever repeated it (a fixed-size
-        soak: 58 live constraints held 561 of 841 expired events, and the store grew by 210-250 events a minute).
-        What reads the links needs only the ends: where a memory was first and last said (`_around`,
-        `_session_end`); the drill-down's payloads past the TTL are gone already."""
+        the TTL (and passed by the observer) stop being its sources: these links, as (memory, event) pairs. A rule
+        restated in every session is one memory (deduplicated: `hits` counts the restatements) with a link to each
+        restatement's event, and a cited event keeps its row for good: a memory in use would otherwise hold every
+        event that ever repeated it (a fixed-size soak: 58 live constraints held 561 of 841 expired events, and the
+        store grew by 210-250 events a minute). What reads the links needs only the ends: where a memory was first
+        and last said (`_around`, `_session_end`); the drill-down's payloads past the TTL are gone already."""
         cutoff = now - cfg.event_ttl_days * 86400
+        rows = await ctx.store.fetchall(
+            "SELECT s.memory_id, s.event_id FROM events e JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
+            f" JOIN memory_sources s ON s.event_id = e.id WHERE e.ts < ? AND e.id <= CAST(c.value AS INTEGER)"
+            f" AND e.{scope.where} AND {_INSIDE} LIMIT ?", (cutoff, scope.param, PURGE_BATCH), background=True)
+        return [[int(r[0]), int(r[1])] for r in rows]
+
+    async def thin_sources(self, db: aiosqlite.Connection, links: list[list[int]], report: RunReport) -> None:
+        """Drop the links `links_to_thin` found, each still between its memory's first and latest (a link removed
+        meanwhile, a memory deleted, may have made it an end)."""
+        if not links:
+            return
         cur = await db.execute(
-            "DELETE FROM memory_sources WHERE (memory_id, event_id) IN (SELECT s.memory_id, s.event_id FROM events e"
-            " JOIN checkpoints c ON c.name = 'observer:' || e.session_id JOIN memory_sources s ON s.event_id = e.id"
-            f" WHERE e.ts < ? AND e.id <= CAST(c.value AS INTEGER) AND e.{scope.where}"
-            " AND s.event_id > (SELECT min(f.event_id) FROM memory_sources f WHERE f.memory_id = s.memory_id)"
-            " AND s.event_id < (SELECT max(f.event_id) FROM memory_sources f WHERE f.memory_id = s.memory_id)"
-            " LIMIT ?)", (cutoff, scope.param, PURGE_BATCH))
+            "DELETE FROM memory_sources AS s WHERE (s.memory_id, s.event_id) IN (SELECT json_extract(value, '$[0]'),"
+            f" json_extract(value, '$[1]') FROM json_each(?)) AND {_INSIDE}", (json.dumps(links),))
         if cur.rowcount > 0:
             report.wrote("sources_thinned", links=cur.rowcount)
 
