@@ -65,9 +65,9 @@ if None not in (_MALLOC_INFO, _MEMSTREAM, _FCLOSE, _FREE):
 
 # The heaps malloc spreads the daemon's threads over. glibc gives each thread that allocates a heap of its own, up to
 # 8 a CPU, and each keeps its own freed bytes and high-water mark: the daemon's dozen threads (the store's connections,
-# the log's syncs, the executors) made 10 heaps, and a fixed-size soak's RSS still climbed in its last third (+1.0 to
-# +2.0 MB a minute of anonymous memory, 3 runs). With two, the same soak levels off (last third -0.0): the threads
-# mostly take turns on the interpreter lock anyway, and the ingest bench's rate did not move (closing note, stop 38).
+# the log's syncs, the executors) made 10 heaps, and a fixed-size soak's RSS climbed +1.1 MB a minute, through its
+# last third too (3 runs). With two, +0.5 to +0.7, level in the last third in two of three runs: the threads mostly
+# take turns on the interpreter lock anyway, and the ingest bench's rate did not move (closing note, stop 38).
 MALLOC_ARENAS = 2
 
 
