@@ -372,11 +372,10 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
 # `archived_ttl_days` deletes them), evidence passages (their events' retention), the links and pairs hanging on
 # them, and sessions (one row each for good: the tailer resumes a transcript from its offset there).
 ROWS_HELD = ("memories_live", "memories_archived", "evidence", "memory_sources", "edges", "memory_near", "sessions")
-ROWS_HELD_SQL = ("SELECT (SELECT count(*) FROM memories WHERE archived_at IS NULL AND kind != 'evidence'),"
-                 " (SELECT count(*) FROM memories WHERE archived_at IS NOT NULL),"
-                 " (SELECT count(*) FROM memories WHERE archived_at IS NULL AND kind = 'evidence'),"
-                 " (SELECT count(*) FROM memory_sources), (SELECT count(*) FROM edges),"
-                 " (SELECT count(*) FROM memory_near), (SELECT count(*) FROM sessions)")
+ROWS_HELD_SQL = ("SELECT sum(archived_at IS NULL AND kind != 'evidence'), sum(archived_at IS NOT NULL),"
+                 " sum(archived_at IS NULL AND kind = 'evidence'), (SELECT count(*) FROM memory_sources),"
+                 " (SELECT count(*) FROM edges), (SELECT count(*) FROM memory_near), (SELECT count(*) FROM sessions)"
+                 " FROM memories")
 UNOBSERVED = ("SELECT count(*) FROM events e LEFT JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
               " WHERE e.id > coalesce(CAST(c.value AS INTEGER), 0)")
 

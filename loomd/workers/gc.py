@@ -37,6 +37,9 @@ PURGE_BATCH = 5000
 # so a run that first meets a long backlog (a retention set on an old store) must not hold the writer for seconds.
 EVIDENCE_BATCH = 1000
 PURGED_PAYLOAD = '{"purged": true}'
+# Events (alias e) past the TTL (the cutoff, a parameter) that the observer has passed: what the retention may purge.
+PASSED_JOIN = "JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
+PASSED = "e.ts < ? AND e.id <= CAST(c.value AS INTEGER)"
 # A memory's source link (alias s) that is neither its first nor its latest.
 _INSIDE = ("s.event_id > (SELECT min(f.event_id) FROM memory_sources f WHERE f.memory_id = s.memory_id)"
            " AND s.event_id < (SELECT max(f.event_id) FROM memory_sources f WHERE f.memory_id = s.memory_id)")
@@ -258,8 +261,7 @@ class GC:
         cur = await db.execute(
             f"DELETE FROM memory_sources WHERE (memory_id, event_id) IN (SELECT s.memory_id, s.event_id FROM ({old}) o"
             " JOIN memory_sources s ON s.memory_id = o.id JOIN events e ON e.id = s.event_id"
-            " JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
-            " WHERE e.ts < ? AND e.id <= CAST(c.value AS INTEGER))", (*params, cutoff))
+            f" {PASSED_JOIN} WHERE {PASSED})", (*params, cutoff))
         unlinked = max(cur.rowcount, 0)
         ids = await _ids(db, f"{old} AND NOT EXISTS (SELECT 1 FROM memory_sources s WHERE s.memory_id = m.id) LIMIT ?",
                          (*params, EVIDENCE_BATCH))
@@ -279,9 +281,9 @@ class GC:
         and last said (`_around`, `_session_end`); the drill-down's payloads past the TTL are gone already."""
         cutoff = now - cfg.event_ttl_days * 86400
         rows = await ctx.store.fetchall(
-            "SELECT s.memory_id, s.event_id FROM events e JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
-            f" JOIN memory_sources s ON s.event_id = e.id WHERE e.ts < ? AND e.id <= CAST(c.value AS INTEGER)"
-            f" AND e.{scope.where} AND {_INSIDE} LIMIT ?", (cutoff, scope.param, PURGE_BATCH), background=True)
+            f"SELECT s.memory_id, s.event_id FROM events e {PASSED_JOIN} JOIN memory_sources s ON s.event_id = e.id"
+            f" WHERE {PASSED} AND e.{scope.where} AND {_INSIDE} LIMIT ?", (cutoff, scope.param, PURGE_BATCH),
+            background=True)
         return [[int(r[0]), int(r[1])] for r in rows]
 
     async def thin_sources(self, db: aiosqlite.Connection, links: list[list[int]], report: RunReport) -> None:
@@ -299,8 +301,7 @@ class GC:
                            scope: Scope) -> None:
         """Raw events past their TTL that the observer has passed: payload-less if cited, else removed."""
         cutoff = now - cfg.event_ttl_days * 86400
-        passed = ("FROM events e JOIN checkpoints c ON c.name = 'observer:' || e.session_id"
-                  f" WHERE e.ts < ? AND e.id <= CAST(c.value AS INTEGER) AND e.{scope.where}")
+        passed = f"FROM events e {PASSED_JOIN} WHERE {PASSED} AND e.{scope.where}"
         cited = "EXISTS (SELECT 1 FROM memory_sources s WHERE s.event_id = e.id)"
         cur = await db.execute(
             f"UPDATE events SET payload = ? WHERE id IN (SELECT e.id {passed} AND {cited}"
