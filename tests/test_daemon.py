@@ -8,7 +8,6 @@ import os
 import pwd
 import signal
 import socket
-import sqlite3
 import struct
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from conftest import need_test_data
+from conftest import need_test_data, query
 
 from loomd import protocol
 from loomd.client import AsyncClient, Client, RemoteError
@@ -333,11 +332,7 @@ async def test_lone_surrogates_in_a_hook_are_stored_as_replacement_characters(cl
     ]):
         reply = await client.call("hook", event=event, eid=f"sur{i}", raw=hook_payload(f"s-{odd}", event, **extra))
         assert isinstance(reply, dict), reply
-    db = sqlite3.connect(f"file:{home / 'loomd.db'}?mode=ro", uri=True)
-    try:
-        rows = db.execute("SELECT session_id, kind, tool_name, tool_use_id, payload FROM events ORDER BY id").fetchall()
-    finally:
-        db.close()
+    rows = query(home, "SELECT session_id, kind, tool_name, tool_use_id, payload FROM events ORDER BY id")
     assert [r[:4] for r in rows] == [("s-x\ufffdy", "UserPromptSubmit", None, None),
                                      ("s-x\ufffdy", "PostToolUse", "x\ufffdy", "x\ufffdy"),
                                      ("s-x\ufffdy", "SessionStart", None, None)]

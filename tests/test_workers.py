@@ -30,7 +30,7 @@ from loomd.client import AsyncClient, Client
 from loomd.daemon import Daemon
 from loomd.ingest.reading import CLIP_CHARS, CODE_SLACK
 from loomd.ingest.writer import LIVE_QUIET_S
-from loomd.store.db import connect_sync
+from loomd.store.db import connect_sync, on_thread, open_reader
 from loomd.workers.base import RunReport
 from loomd.workers.digest import budgets, render_digest
 from loomd.workers.observer import CHUNK_EVENTS, PASSAGES_PER_WRITE
@@ -502,6 +502,39 @@ async def test_a_memory_forgotten_between_the_reflectors_read_and_its_write_gets
         assert len(live) == 1 and live[0]["id"] != kept[0]["id"]
         observation = await db_rows(d, "SELECT id FROM memories WHERE session_id = 'f2' AND kind = 'observation'")
         assert await supports_of(d, live[0]["id"]) == [observation[0][0]]
+
+
+async def test_a_reflector_run_cancelled_mid_read_closes_its_connection_behind_the_read(home: Path) -> None:
+    """The reflector reads on a connection of its own (`open_reader`), on that connection's thread (`on_thread`). A
+    run cancelled while a read is on the thread (the daemon stopping: `Scheduler.stop`) closes the connection behind
+    the read, never under it: closed from another thread, the read's statements were freed while it stepped them (a
+    general protection fault in SQLite's `sqlite3Error` took a test process down in CI)."""
+    path = home / "reads.db"
+    setup = connect_sync(path)
+    setup.execute("CREATE TABLE t (x INTEGER)")
+    setup.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(1000)])
+    setup.close()
+    conn = await open_reader(path, busy_timeout_ms=1000)
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def read(c: sqlite3.Connection) -> None:
+        cursor = c.execute("SELECT x FROM t ORDER BY x")
+        first = cursor.fetchone()[0]
+        inside.set()
+        release.wait(10)  # the read is still stepping its statement when the run is cancelled
+        seen.append(first + len(cursor.fetchall()))
+
+    run = asyncio.create_task(on_thread(conn, read))
+    assert await asyncio.to_thread(inside.wait, 10)
+    run.cancel()
+    closing = asyncio.create_task(conn.close())  # what the run's `finally` does
+    await asyncio.sleep(0.2)
+    assert not closing.done() and not seen  # queued behind the read
+    release.set()
+    await asyncio.wait_for(closing, 10)
+    assert seen == [999]  # the read went on to its end, then the connection closed
+    with pytest.raises(asyncio.CancelledError):
+        await run
 
 
 async def test_a_contradiction_is_linked_and_both_sides_kept(monkeypatch, home) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import aiosqlite
 
 from loomd.offload import Offload
-from loomd.store.db import connect_sync
+from loomd.store.db import on_thread, open_reader
 from loomd.store.derived import write_derived
 from loomd.store.memories import content_hash, insert_memory
 from loomd.store.trip import run_through
@@ -433,10 +433,11 @@ class Reflector:
             return
         # The chunks are read on a connection of the reflector's own, outside any write transaction, and planned in
         # the offload process; the writer is held only for the writes (`apply`). The shared reader is left to the
-        # hooks' recalls.
-        conn = await asyncio.to_thread(connect_sync, ctx.store.path, busy_timeout_ms=ctx.config().busy_timeout_ms)
+        # hooks' recalls. The connection lives on a thread of its own, which also closes it: a run cancelled while a
+        # read is on that thread (the daemon stopping) queues the close behind the read. Closed from another thread,
+        # it freed its statements under the read: SQLite's general protection fault took a test process down in CI.
+        conn = await open_reader(ctx.store.path, busy_timeout_ms=ctx.config().busy_timeout_ms)
         try:
-            conn.execute("PRAGMA query_only = ON")
             for project in projects:
                 wrote = 0
                 while True:
@@ -452,15 +453,16 @@ class Reflector:
                     ctx.wake("digest", project)
                     ctx.wake("dropper", project)
         finally:
-            await asyncio.to_thread(conn.close)
+            await conn.close()
 
-    async def reflect_next(self, ctx: WorkerContext, conn: sqlite3.Connection, project: str, report: RunReport,
+    async def reflect_next(self, ctx: WorkerContext, conn: aiosqlite.Connection, project: str, report: RunReport,
                            dry_run: bool) -> tuple[int, int, list[int]]:
         """The next chunk: (memories written or merged into, observations read, the new memories' ids)."""
         off = ctx.config().for_project(project).kinds_off()
         for _ in range(REPLANS):
             # The read and the hand-over to the offload process (pickling the chunk) on a thread, off the loop.
-            chunk, planning = await asyncio.to_thread(_read_and_submit, conn, project, off, ctx.offload)
+            chunk, planning = await on_thread(conn, functools.partial(_read_and_submit, project=project, off=off,
+                                                                      offload=ctx.offload))
             if chunk is None:
                 return 0, 0, []
             plan = plan_chunk(chunk, off) if planning is None else await asyncio.wrap_future(planning)
