@@ -869,14 +869,24 @@ async def test_digest_never_exceeds_its_budget(monkeypatch, home) -> None:
         mark = json.loads(await d.store.scalar("SELECT value FROM checkpoints WHERE name = ?", (f"digest:{PROJECT}",)))
         assert mark["digest_id"] == digests[0]["id"] and mark["folded"] > 0 and mark["watermark"]
         assert (await client.call("workers_run", name="digest", project=PROJECT))["outcome"] == "noop"
-        # A long new memory takes verbatim room: the oldest verbatim one is folded, a new digest replaces the old.
+        folded_before = await derived_from(d, digests[0]["id"])
+        # A long new memory takes verbatim room: the oldest verbatim one is folded, and the project's one digest is
+        # rewritten in place (it is derived data: no archived copy, no second set of edges).
         await client.call("store", text="A brand new decision: deploy from tags only, " + "never from branches " * 6,
                           kind="decision", project=PROJECT)
         await client.call("workers_run", name="digest", project=PROJECT)
-        digests = await memories(client, kind="digest")
-        live = [m for m in digests if m["archived_at"] is None]
-        assert len(live) == 1 and len(digests) == 2 and len(live[0]["text"]) <= budget
+        (digest,) = await memories(client, kind="digest")
+        assert digest["id"] == digests[0]["id"] and digest["archived_at"] is None
+        assert digest["text"] != digests[0]["text"] and len(digest["text"]) <= budget
+        folded = await derived_from(d, digest["id"])
+        assert set(folded_before) < set(folded) and len(set(folded)) == len(folded)  # more folded, each once
         assert verbatim + budget == 120 * 4
+
+
+async def derived_from(d: Daemon, digest_id: int) -> list[int]:
+    rows = await db_rows(d, "SELECT dst_id FROM edges WHERE src_type = 'memory' AND src_id = ? AND dst_type = 'memory'"
+                            " AND type = 'derives_from' ORDER BY dst_id", (digest_id,))
+    return [r[0] for r in rows]
 
 
 @pytest.mark.parametrize("budget", [0, 1, 5, 39, 40, 41, 80, 157, 400, 4000])

@@ -127,6 +127,21 @@ async def fetch_memories(store: Store, ids: Sequence[int]) -> list[dict[str, Any
     return [by_id[i] for i in ids]
 
 
+async def rewrite(db: aiosqlite.Connection, memory_id: int, text: str, kind: str, meta: dict[str, Any]) -> None:
+    """Replace a memory's text (redacted already) and kind in place, with its `meta`, inside the caller's
+    transaction. What the old text named is no longer what the memory says: its entity mentions go (`mentions`
+    counts stay true), and the caller's `write_derived` (or `MemoryWriter.derive`) links those of the new text."""
+    await db.execute(
+        "UPDATE memories SET text = ?, kind = ?, content_hash = ?, tokens = ?, updated = ?, meta = ? WHERE id = ?",
+        (text, kind, content_hash(text), estimate_tokens(text), time.time(), json.dumps(meta), memory_id))
+    stale = [r[0] for r in await db.execute_fetchall(
+        "SELECT dst_id FROM edges WHERE src_type = 'memory' AND src_id = ? AND dst_type = 'entity'"
+        " AND type = 'mentions'", (memory_id,))]
+    await db.executemany("UPDATE entities SET mentions = max(0, mentions - 1) WHERE id = ?", [(e,) for e in stale])
+    await db.execute("DELETE FROM edges WHERE src_type = 'memory' AND src_id = ? AND dst_type = 'entity'"
+                     " AND type = 'mentions'", (memory_id,))
+
+
 async def set_archived(db: aiosqlite.Connection, ids: Sequence[int], archived: bool, reason: str = "") -> int:
     """Archive (or restore) by flag only; the rows stay fetchable forever."""
     if not ids:

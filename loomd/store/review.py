@@ -13,7 +13,7 @@ import aiosqlite
 
 from loomd.errors import BadRequest, NotFound
 from loomd.redact import redact_text
-from loomd.store.memories import MAX_MEMORY_CHARS, check_kind, content_hash, estimate_tokens, set_archived, supersede
+from loomd.store.memories import MAX_MEMORY_CHARS, check_kind, rewrite, set_archived, supersede
 
 # The checkpoint holding when the review queue was last worked (an approve, an edit, a merge): "since the last
 # review" is what was written after it.
@@ -58,17 +58,7 @@ async def edit(db: aiosqlite.Connection, memory_id: int, text: str | None = None
     meta = json.loads(row["meta"] or "{}")
     meta.setdefault("edits", []).append({"at": now, "text": row["text"], "kind": row["kind"], "reason": reason})
     meta["reviewed_at"] = now
-    await db.execute(
-        "UPDATE memories SET text = ?, kind = ?, content_hash = ?, tokens = ?, updated = ?, meta = ? WHERE id = ?",
-        (new_text, new_kind, content_hash(new_text), estimate_tokens(new_text), now, json.dumps(meta), memory_id))
-    if new_text != row["text"]:
-        # What the old text named is no longer what the memory says; `mentions` counts stay true.
-        stale = [r[0] for r in await db.execute_fetchall(
-            "SELECT dst_id FROM edges WHERE src_type = 'memory' AND src_id = ? AND dst_type = 'entity'"
-            " AND type = 'mentions'", (memory_id,))]
-        await db.executemany("UPDATE entities SET mentions = max(0, mentions - 1) WHERE id = ?", [(e,) for e in stale])
-        await db.execute("DELETE FROM edges WHERE src_type = 'memory' AND src_id = ? AND dst_type = 'entity'"
-                         " AND type = 'mentions'", (memory_id,))
+    await rewrite(db, memory_id, new_text, new_kind, meta)
     await _reviewed(db, [memory_id], now)
     return True
 
