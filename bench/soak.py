@@ -22,9 +22,12 @@ Slopes: `..._after_warmup` skips the first 10% of the run (at least 3 s). Under 
 reaches its constant size once the retention chain has run through once (events live `event_ttl_days`, are observed
 after `observe_idle_s`, their memories archived and then deleted `archived_ttl_days` later, each step on a worker
 interval): `..._settled` skips that long too (`settle_s`, 160 s with the settings above) and is the number to judge
-a fixed size by. `anon_mb` is the daemon's anonymous RSS (heaps: Python's, SQLite's, malloc's arenas), `file_mb` its
-mapped files; `sqlite_mb`, `malloc_used_mb`, `malloc_kept_mb` and `python_blocks` split the anonymous part as the
-daemon itself counts it (`status`'s `memory`). `settled` splits the settled span into thirds: each third's max and
+a fixed size by. The live memories take longer (FIXED_FILL_S), so under `--fixed-size` the measured `--seconds` follow
+a fill of the same load (`--fill-s`, 600 s by default, in `params`): every `after_warmup`, `settled` and third is
+then taken over the measured span alone, and `rows_held` shows whether the store held its size through it.
+`anon_mb` is the daemon's anonymous RSS (heaps: Python's, SQLite's, malloc's arenas), `file_mb` its mapped files;
+`sqlite_mb`, `malloc_used_mb`, `malloc_kept_mb` and `python_blocks` split the anonymous part as the daemon itself
+counts it (`status`'s `memory`). `settled` splits the settled span into thirds: each third's max and
 the last third's slope tell a high-water mark (what fills up to a bound: a cache, an arena; the last third no higher
 than the middle one, its slope ~0) from growth (both keep rising). `events_held` splits what the store holds into
 what the observer has not passed yet (`unobserved`: GC may not purge it, whatever its age; it stays small while the
@@ -33,7 +36,7 @@ rest of the store (ROWS_HELD): live and archived memories, evidence passages, th
 sessions, the one part that grows with the run by design (a row per session, kept for the tailer's offset).
 
     python bench/soak.py [--seconds 300 | --quick] [--agents 4] [--rate 25 (10 with --fixed-size)] [--socket PATH]
-                         [--fixed-size]
+                         [--fixed-size [--fill-s 600]]
 """
 
 from __future__ import annotations
@@ -278,7 +281,7 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
               asyncio.create_task(sampler(pid, sock, stop, 1.0, t0, series, db))]
     if workers:
         tasks.append(asyncio.create_task(persistent("workers", sock, stop, stats, 3.0, worker)))
-    await asyncio.sleep(opts.seconds)
+    await asyncio.sleep(opts.fill_s + opts.seconds)
     stop.set()
     await asyncio.gather(*tasks)
     elapsed = time.monotonic() - t0
@@ -295,9 +298,12 @@ async def soak(sock: Path, pid: int | None, opts: argparse.Namespace, cwd: str, 
         "over_shim_deadline": dict(stats.over_deadline), "workers": workers or "no workers_run op",
     }
     if pid is not None and series:
-        warm = max(3.0, opts.seconds * 0.1)
+        warm = opts.fill_s + max(3.0, opts.seconds * 0.1)
         steady = [r for r in series if r["t"] >= warm] or series
-        settle = max(warm, settle_s(FIXED_SIZE)) if opts.fixed_size else warm
+        if opts.fill_s:  # the store reached its size during the fill: the whole measured span counts
+            settle = opts.fill_s
+        else:
+            settle = max(warm, settle_s(FIXED_SIZE)) if opts.fixed_size else warm
         settled = [r for r in series if r["t"] >= settle] or steady
         out["settle_s"] = settle
         half = [r for r in steady if r["t"] >= steady[0]["t"] + (steady[-1]["t"] - steady[0]["t"]) / 2] or steady
@@ -420,6 +426,14 @@ FIXED_SIZE = {"LOOMD_EVENT_TTL_DAYS": str(60 / 86400), "LOOMD_PROJECT_MEMORY_CAP
               "LOOMD_WORKER_INTERVAL_S": "10", "LOOMD_OBSERVE_IDLE_S": "20", "LOOMD_JOB_HISTORY_DAYS": str(60 / 86400)}
 
 
+# How long the fixed-size store takes to reach its size, measured: the retention chain runs through in `settle_s`,
+# but the live memories reach theirs only when the working set does (what the searches hit within a minute, which
+# grows with what there is to hit). In 10-minute runs begun on an empty store the live memories still rose 5 to 15
+# a minute and the pairs (`memory_near`) up to 620 a minute in the last third; in a 20-minute run both stopped in
+# its second half (closing notes, stops 38 and 39). So the measured minutes begin after a fill of this long.
+FIXED_FILL_S = 600.0
+
+
 def settle_s(env: dict[str, str]) -> float:
     """How long the fixed-size retention takes to reach a constant size: an event's TTL, the wait until its session
     is observed, the archived memories' TTL, and a worker interval for each of the two GC steps."""
@@ -470,16 +484,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embedder", default="local", help="LOOMD_EMBEDDER for the fresh daemon")
     parser.add_argument("--no-series", action="store_true", help="leave the per-second samples out of the JSON")
     parser.add_argument("--fixed-size", action="store_true", help="GC holds the store's size constant (see above)")
+    parser.add_argument("--fill-s", type=float, default=None,
+                        help=f"seconds of the same load before the measured --seconds (default {FIXED_FILL_S:g} with"
+                             " --fixed-size, else 0): the store fills to its fixed size first")
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.seconds = 30.0
+    if opts.fill_s is None:
+        opts.fill_s = FIXED_FILL_S if opts.fixed_size and not opts.quick else 0.0
     if opts.rate is None:
         opts.rate = FIXED_SIZE_RATE if opts.fixed_size else 25.0
     report: dict[str, Any] = {
         "bench": "soak",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                     "loadavg_start": [round(x, 2) for x in os.getloadavg()]},
-        "params": {"seconds": opts.seconds, "agents": opts.agents, "rate_per_agent": opts.rate,
+        "params": {"seconds": opts.seconds, "fill_s": opts.fill_s, "agents": opts.agents, "rate_per_agent": opts.rate,
                    "embedder": opts.embedder, "socket": str(opts.socket) if opts.socket else "fresh daemon",
                    "fixed_size": FIXED_SIZE if opts.fixed_size else None},
     }
