@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import itertools
 import logging
 import multiprocessing
@@ -305,9 +304,17 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
     """Serve calls until the parent goes away (the pipe closes); each lane on its own thread, a direct lane's thread
     reading its own pipe.
 
-    On Linux only the background lanes' threads are niced: a search waits on the query lane's embedding, and a hook
+    On Linux only the background lanes' threads are lowered: a search waits on the query lane's embedding, and a hook
     on the parse lane, so those (and the thread that reads the calls) keep the daemon's priority; a niced query
-    lane cost a search 1.5–2.7 ms at the median on a busy machine. Elsewhere the whole helper is niced."""
+    lane cost a search 1.5–2.7 ms at the median on a busy machine. Elsewhere the whole helper is niced.
+
+    The background lanes (the back-fill's embedding, the workers' text work) run at idle priority (`idle_priority`,
+    SCHED_IDLE), not niced: a niced thread keeps the CPU it runs on until its slice ends, so while a catch-up embedded
+    on both cores every wake-up on a hook's path (the shim, the loop, the writer's and the log's threads) could wait
+    for one; an idle-class thread gives the CPU up at once. Measured with `bench/hooks.py --background-catchup`
+    (closing note, stop 41): the daemon's answer p99 35 against 39–40 ms, a hook's wait for the writer p90 2.2
+    against 4–5 ms. An idle-class thread still gets a sliver of a busy CPU (weight 3 against a default task's 1,024),
+    so a machine that is never idle slows the catch-up but does not stop it."""
     per_thread = sys.platform.startswith("linux")
     if idle:  # before any thread starts: they inherit it
         idle_priority()
@@ -315,9 +322,8 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
         with contextlib.suppress(OSError):
             os.nice(nice)
     send_lock = threading.Lock()
-    lower = functools.partial(lower_thread_priority, nice)
     lanes = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane}",
-                                      initializer=lower if nice and per_thread and lane in BACKGROUND else None)
+                                      initializer=idle_priority if nice and per_thread and lane in BACKGROUND else None)
              for lane in LANES if lane not in DIRECT}
     for lane, own in (direct or {}).items():
         threading.Thread(target=_serve_direct, args=(own,), name=f"offload-{lane}", daemon=True).start()
