@@ -34,7 +34,8 @@ first fsync, its threads' first wake-ups) apart from what the background work ad
 
 Every daemon-up report has `writer_holds`: per holder (live hook commits, import slices, each worker, the
 back-fill), how long its transactions held the one writer connection (`status`'s `writer`), which a hook's
-commit waits behind.
+commit waits behind; and `collector`: Python's collections in the daemon (each stops the event loop too), how many and
+the longest by generation.
 
     python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
                           [--gap-ms MS] [--daemon-config KEY=VALUE ...] [--background-import N]
@@ -636,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                     report["up"]["daemon_counts"] = status.get("counts")
                     report["up"]["spool_backlog"] = status.get("spool_backlog")
                     report["up"]["writer_holds"] = (status.get("writer") or {}).get("holds")
+                    # Python's collections in the daemon, each a stop of its every thread (`memory.CollectorPauses`).
+                    report["up"]["collector"] = (status.get("memory") or {}).get("collector")
                     report["up"]["split"] = split(report["up"]["events"], up["python_floor"], status.get("service"))
                     log = up_home / "hook.log"
                     lines = log.read_text().splitlines() if log.exists() else []

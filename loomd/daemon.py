@@ -97,9 +97,12 @@ def socket_is_live(path: Path) -> bool:
 class Daemon:
     """Owns the store, the server and the background tasks of one running loomd."""
 
-    def __init__(self, config: Config, *, listen_sock: socket.socket | None = None) -> None:
+    def __init__(self, config: Config, *, listen_sock: socket.socket | None = None, owns_process: bool = False) -> None:
+        """`owns_process`: the daemon is its process's only tenant (`loomd serve`), so it may settle the process's
+        heap for itself (`memory.freeze_startup`); a daemon inside another process (a test's) leaves it alone."""
         self.config = config
         self.listen_sock = listen_sock
+        self.owns_process = owns_process
         self.socket_path = config.paths.socket
         self.started = time.time()
         self.should_exit = asyncio.Event()
@@ -194,6 +197,8 @@ class Daemon:
         self.supervisor.start("spool", lambda: spool.watch(self.should_exit))
         self.supervisor.start("embeddings", lambda: self.vectors.run(self.should_exit))
         self.supervisor.start("tailer", lambda: tailer.run(self.should_exit))
+        if self.owns_process:
+            memory.freeze_startup()  # everything is built: what is alive now lives as long as the daemon
         log.info("loomd %s listening on %s (db %s)", __version__, self.socket_path, paths.db)
         sd_notify("READY=1\nSTATUS=serving")
 
@@ -365,7 +370,8 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def run(config: Config) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     memory.limit_heaps()  # before the first thread
-    daemon = Daemon(config, listen_sock=inherited_socket())
+    memory.watch_collector()
+    daemon = Daemon(config, listen_sock=inherited_socket(), owns_process=True)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         try:
             runner.run(daemon.serve())

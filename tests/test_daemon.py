@@ -213,7 +213,10 @@ async def test_status_says_where_the_daemons_memory_is(client: AsyncClient) -> N
 def test_the_daemon_spreads_its_threads_over_a_few_malloc_heaps(daemon_process) -> None:
     """`loomd serve` limits malloc's heaps (`memory.limit_heaps`) before its first thread: a heap per thread (glibc's
     default, up to 8 a CPU) each kept its own freed bytes, and a long-running daemon's RSS crept with them. After
-    work on every thread (events, memories, searches, the workers), `status` counts the heaps."""
+    work on every thread (events, memories, searches, the workers), `status` counts the heaps.
+
+    It also takes what startup made out of Python's full collections (`memory.freeze_startup`: each walked it all,
+    the event loop stopped 33-44 ms) and times the collections it runs."""
     proc = daemon_process().start()
     with Client(proc.sock, timeout=30) as c:
         for i in range(40):
@@ -222,8 +225,11 @@ def test_the_daemon_spreads_its_threads_over_a_few_malloc_heaps(daemon_process) 
             c.call("search", query=f"build cache module {i}", cwd="/x/heaps", limit=5)
         for name in ("observer", "reflector", "gc"):
             c.call("workers_run", name=name)
-        heaps = c.call("status")["memory"].get("malloc_heaps")
+        memory = c.call("status")["memory"]
     assert proc.stop(signal.SIGTERM) == 0
+    heaps, collector = memory.get("malloc_heaps"), memory["collector"]
+    assert collector["frozen"] > 10_000, collector  # every module, class and function loaded at startup, and more
+    assert collector["collections"][0] > 0 and collector["max_ms"][0] > 0, collector
     if sys.platform.startswith("linux"):  # glibc's malloc_info
         assert heaps is not None and 1 <= heaps <= MALLOC_ARENAS, heaps
 
