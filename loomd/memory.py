@@ -93,10 +93,13 @@ class CollectorPauses:
     full one. Read by `status` (`usage`), for the hooks and soak benches."""
 
     def __init__(self) -> None:
+        self._began = 0.0
+        self.clear()
+
+    def clear(self) -> None:
         self.count = [0, 0, 0]
         self.max_ms = [0.0, 0.0, 0.0]
         self.last_full_ms: float | None = None
-        self._began = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -135,6 +138,8 @@ def freeze_startup() -> None:
     one freed by its reference count is freed as before (only a frozen cycle stays: startup's are collected first)."""
     gc.collect()
     gc.freeze()
+    if PAUSES is not None:
+        PAUSES.clear()  # that collection ran before the daemon served: nobody waited for it
 
 
 def _heaps() -> int | None:

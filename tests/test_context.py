@@ -197,9 +197,9 @@ WEBHOOK = "The flaky webhook test needs REDIS_URL set; CI exports it in ci.yml"
 
 
 async def test_only_a_question_memory_can_answer_gets_a_recall(client: AsyncClient) -> None:
-    """A task to carry out, a request phrased as a question, a short steer, an acknowledgement, a slash command's echo
-    and the output it printed get nothing, though their words match a memory; a question does, and a slash command's
-    arguments are the user's own words."""
+    """A task to carry out, a request phrased as a question, a short steer, an acknowledgement, a slash command's echo,
+    the output it printed and a background task's notice (the harness's words in a prompt) get nothing, though their
+    words match a memory; a question does, and a slash command's arguments are the user's own words."""
     memory = await remember(client, WEBHOOK, "insight")
     for n, prompt in enumerate([
         "fix the flaky webhook test in CI",
@@ -208,6 +208,9 @@ async def test_only_a_question_memory_can_answer_gets_a_recall(client: AsyncClie
         "Excellent work, thanks for fixing the flaky webhook test!",
         "<command-name>/clear</command-name>\n<command-message>clear</command-message>\n<command-args></command-args>",
         "<local-command-stdout>webhook test flaky in CI: REDIS_URL unset</local-command-stdout>",
+        "<task-notification>\n<task-id>b7k2</task-id>\n<status>completed</status>\n<summary>Agent \"Find out why the "
+        "webhook test is flaky in CI\" completed</summary>\n<result>Why is the webhook test flaky in CI? REDIS_URL is "
+        "unset in the CI job.</result>\n</task-notification>",
     ]):
         assert await hook(client, "UserPromptSubmit", session=f"steer{n}", prompt=prompt) == "", prompt
     asked = await hook(client, "UserPromptSubmit", session="ask1", prompt="why is the webhook test flaky in CI?")

@@ -7,9 +7,13 @@ from __future__ import annotations
 import re
 
 _CODE_BLOCK = re.compile(r"```.*?(?:```|\Z)", re.DOTALL)
+# What the harness, not the user, put in a user turn. `task-notification` (`bash-notification` in older Claude Code):
+# a background task or workflow has ended, its summary and result delivered as a prompt of its own; taken for the
+# user's words, a result's "must" and "never" became the user's constraints, and each one ran a recall.
 _WRAPPER_TAGS = re.compile(
     r"<(ide_opened_file|ide_selection|system-reminder|local-command-stdout|local-command-stderr|command-message"
-    r"|command-name|bash-stdout|bash-stderr|user-prompt-submit-hook|environment_context|user_instructions)>.*?</\1>",
+    r"|command-name|bash-stdout|bash-stderr|user-prompt-submit-hook|environment_context|user_instructions"
+    r"|task-notification|bash-notification)>.*?</\1>",
     re.DOTALL,
 )
 _LINE_PREFIX = re.compile(r"^(?:#+\s*|[-*+•]\s+|\d+[.)]\s+|>\s*)+")
