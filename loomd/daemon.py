@@ -370,7 +370,6 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def run(config: Config) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     memory.limit_heaps()  # before the first thread
-    memory.watch_collector()
     daemon = Daemon(config, listen_sock=inherited_socket(), owns_process=True)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         try:

@@ -94,9 +94,6 @@ class CollectorPauses:
 
     def __init__(self) -> None:
         self._began = 0.0
-        self.clear()
-
-    def clear(self) -> None:
         self.count = [0, 0, 0]
         self.max_ms = [0.0, 0.0, 0.0]
         self.last_full_ms: float | None = None
@@ -130,7 +127,8 @@ def watch_collector() -> None:
 
 
 def freeze_startup() -> None:
-    """Collect once, then move every object alive now out of the cyclic collector's sight (`gc.freeze`): what startup
+    """Collect once, then move every object alive now out of the cyclic collector's sight (`gc.freeze`), and time the
+    collections from then on (`watch_collector`: what runs before the daemon serves, nobody waits for): what startup
     made (modules, classes, compiled patterns, the services) lives as long as the process, yet each full collection
     walked it all again. In a catch-up (`bench/hooks.py --background-catchup`) a full collection held the daemon, event
     loop and all, 33-44 ms (3 in 8 minutes): a hook in flight waited for it, the slowest of its kind. With the 47,000
@@ -138,8 +136,7 @@ def freeze_startup() -> None:
     one freed by its reference count is freed as before (only a frozen cycle stays: startup's are collected first)."""
     gc.collect()
     gc.freeze()
-    if PAUSES is not None:
-        PAUSES.clear()  # that collection ran before the daemon served: nobody waited for it
+    watch_collector()
 
 
 def _heaps() -> int | None:
@@ -164,7 +161,7 @@ def usage() -> dict[str, Any]:
     """By part, in MB: `sqlite_mb` (and its peak, `sqlite_peak_mb`), `malloc_used_mb` (every malloc'd byte in use,
     SQLite's and Python's large objects among them), `malloc_kept_mb` (freed but kept in the heap: what a trim could
     hand back), `malloc_heaps` (how many heaps malloc spread them over: `limit_heaps`); and `python_blocks` (Python's
-    allocated objects, a count); with `watch_collector`, `collector` (`CollectorPauses.summary`)."""
+    allocated objects, a count); once the collections are timed, `collector` (`CollectorPauses.summary`)."""
     out: dict[str, Any] = {"python_blocks": sys.getallocatedblocks()}
     if PAUSES is not None:
         out["collector"] = PAUSES.summary()

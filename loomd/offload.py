@@ -54,7 +54,9 @@ class Offload:
     """The parent's handle on the helper process: `call` and `call_sync` run a function there."""
 
     def __init__(self, nice: int = CHILD_NICE, *, idle: bool = False, trim: bool = False) -> None:
-        self.nice = nice  # added to the child's priority: the helper yields the CPU to the loop and the agent
+        # Not 0: the helper yields the CPU to the loop and the agent. On Linux its background lanes then run at idle
+        # priority (`_child_main`); elsewhere `nice` is added to the whole child's priority.
+        self.nice = nice
         self.idle = idle  # the whole child runs only on CPU time nothing else wants (`idle_priority`)
         # After each call's reply, the child hands its freed heap back (`release_memory`): for calls that each build a
         # large result, in a process that then waits (`loom import`'s parsers), not for small frequent ones.
