@@ -20,8 +20,10 @@ import bisect
 import functools
 import json
 import re
+import sqlite3
+import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -213,6 +215,9 @@ class Stemmer:
         self._db.execute("CREATE VIRTUAL TABLE t USING fts5(x, tokenize='porter unicode61')")
         self._db.execute("CREATE VIRTUAL TABLE v USING fts5vocab(t, 'instance')")
         self._cache: dict[str, tuple[str, ...]] = {}
+        # A search runs on the reader's thread (`search_hits`), a prompt's relevance check on the event loop: the
+        # table's insert, read and delete of one call must not interleave with another's.
+        self._lock = threading.Lock()
 
     def __call__(self, term: str) -> tuple[str, ...]:
         found = self._cache.get(term)
@@ -225,9 +230,10 @@ class Stemmer:
         found = {term: self._cache.get(term) for term in terms}
         missing = [term for term, stems in found.items() if stems is None]
         if missing:
-            tokens = self._as_one_text(missing)
-            if tokens is None:
-                tokens = self._a_row_each(missing)
+            with self._lock:
+                tokens = self._as_one_text(missing)
+                if tokens is None:
+                    tokens = self._a_row_each(missing)
             if len(self._cache) + len(missing) > 50_000:
                 self._cache.clear()
             for term, own in zip(missing, tokens, strict=True):
@@ -359,7 +365,7 @@ _DF: dict[tuple[int, str], tuple[float, int]] = {}
 DF_TTL_S = 300.0
 
 
-async def prune_terms(store: Store, terms: list[str], budget: int, indexed: int) -> list[str]:
+def prune_terms(conn: sqlite3.Connection, terms: list[str], budget: int, indexed: int) -> list[str]:
     """Drop the commonest terms while the memories the query would score exceed `budget` (BM25 scores every
     match: 50k matches take 45 ms at 100k memories), keeping the rarest term. Within budget: every term.
 
@@ -371,7 +377,7 @@ async def prune_terms(store: Store, terms: list[str], budget: int, indexed: int)
     docs: dict[str, int] = {}
     wanted = []
     for token in sorted({t for ts in tokens.values() for t in ts}):
-        cached = _DF.get((id(store), token))
+        cached = _DF.get((id(conn), token))
         if cached is not None and now - cached[0] < DF_TTL_S:
             docs[token] = cached[1]
         else:
@@ -379,13 +385,13 @@ async def prune_terms(store: Store, terms: list[str], budget: int, indexed: int)
     if wanted:  # fts5vocab counts by walking the term's postings (0.2 ms for a common term at 100k): cache it
         if len(_DF) > 100_000:
             _DF.clear()
-        found = {r[0]: r[1] for r in await store.fetchall(
+        found = {r[0]: r[1] for r in conn.execute(
             "SELECT term, doc FROM memories_fts_vocab WHERE term IN (SELECT value FROM json_each(?))",
-            [json.dumps(wanted)])}
+            [json.dumps(wanted)]).fetchall()}
         for token in wanted:
             docs[token] = found.get(token, 0)
             if docs[token]:  # a word no memory has yet may arrive any moment: never cache its absence
-                _DF[(id(store), token)] = (now, docs[token])
+                _DF[(id(conn), token)] = (now, docs[token])
     df = {term: min((docs.get(t, 0) for t in ts), default=0) for term, ts in tokens.items()}
     kept = list(terms)
     while len(kept) > 1 and sum(df[t] for t in kept) > budget:
@@ -393,15 +399,15 @@ async def prune_terms(store: Store, terms: list[str], budget: int, indexed: int)
     return kept
 
 
-async def _verify(store: Store, ranked: Sequence[int], where: str, params: Sequence[Any], n: int) -> list[int]:
+def _verify(conn: sqlite3.Connection, ranked: Sequence[int], where: str, params: Sequence[Any], n: int) -> list[int]:
     """The first n of `ranked` that pass the filters (checked in SQL, in chunks of 2n, best first)."""
     kept: list[int] = []
     step = max(2 * n, 1)
     for start in range(0, len(ranked), step):
         chunk = list(ranked[start : start + step])
-        ok = {r[0] for r in await store.fetchall(
+        ok = {r[0] for r in conn.execute(
             f"SELECT m.id FROM memories m WHERE m.id IN (SELECT value FROM json_each(?)) AND {where}",
-            [json.dumps(chunk), *params])}
+            [json.dumps(chunk), *params]).fetchall()}
         kept += [i for i in chunk if i in ok]
         if len(kept) >= n:
             break
@@ -450,8 +456,8 @@ def with_identifier_parts(query: str, terms: Sequence[str]) -> list[str]:
     return list(out)
 
 
-async def fts_signal(
-    store: Store, query: str, where: str, params: Sequence[Any], n: int, ctx_weight: float, budget: int,
+def fts_signal(
+    conn: sqlite3.Connection, query: str, where: str, params: Sequence[Any], n: int, ctx_weight: float, budget: int,
     indexed: int, passing: int | None = None,
 ) -> list[tuple[int, float]]:
     """BM25 over text, tags and the neighbours' column (weighted ctx_weight; 0 leaves the column out). `passing`: about
@@ -459,7 +465,7 @@ async def fts_signal(
     terms = with_identifier_parts(query, query_terms(query))
     if not terms:
         return []
-    terms = await prune_terms(store, terms, budget, indexed)
+    terms = prune_terms(conn, terms, budget, indexed)
     match = fts_match(terms)
     if ctx_weight == 0:
         match = "{text tags} : (" + match + ")"
@@ -469,23 +475,23 @@ async def fts_signal(
     # n of the best 2n seldom do: ranked with the filters at once, the same hits without the first statement (half
     # of a prompt's full-text recall, 4 ms, in a project holding a tenth of the memories).
     if passing is None or 2 * passing >= indexed:
-        rows = await store.fetchall(
+        rows = conn.execute(
             f"SELECT r.id, r.score, EXISTS (SELECT 1 FROM memories m WHERE m.id = r.id AND {where}) FROM"
             f" (SELECT rowid AS id, {bm25} AS score FROM memories_fts WHERE memories_fts MATCH ?"
-            " ORDER BY score, rowid LIMIT ?) r ORDER BY r.score, r.id", [*params, match, 2 * n])
+            " ORDER BY score, rowid LIMIT ?) r ORDER BY r.score, r.id", [*params, match, 2 * n]).fetchall()
         kept = {r[0] for r in rows if r[2]}
         if len(kept) >= n or len(rows) < 2 * n:
             return [(r[0], -r[1]) for r in rows if r[0] in kept][:n]
-    rows = await store.fetchall(
+    rows = conn.execute(
         f"SELECT m.id, {bm25} AS score FROM memories_fts JOIN memories m ON m.id = memories_fts.rowid"
-        f" WHERE memories_fts MATCH ? AND {where} ORDER BY score, m.id LIMIT ?", [match, *params, n])
+        f" WHERE memories_fts MATCH ? AND {where} ORDER BY score, m.id LIMIT ?", [match, *params, n]).fetchall()
     return [(r[0], -r[1]) for r in rows]
 
 
 _TOTALS: dict[tuple[int, str, str], tuple[int, float, int]] = {}
 
 
-async def _total(ctx: SearchContext, where: str, params: Sequence[Any]) -> int:
+def _total(ctx: SearchContext, conn: sqlite3.Connection, where: str, params: Sequence[Any]) -> int:
     """How many memories pass the filters (the graph's idf, the keyword budget), recounted after writes at most
     every 2 s (every 2 s at all without the vector service, whose generation counts the writes)."""
     generation = ctx.vectors.generation if ctx.vectors is not None else -1
@@ -493,7 +499,7 @@ async def _total(ctx: SearchContext, where: str, params: Sequence[Any]) -> int:
     cached = _TOTALS.get(key)
     if cached is not None and ((generation >= 0 and cached[0] == generation) or time.monotonic() - cached[1] < 2.0):
         return cached[2]
-    total = int(await ctx.store.scalar(f"SELECT count(*) FROM memories m WHERE {where}", params) or 0)
+    total = int(conn.execute(f"SELECT count(*) FROM memories m WHERE {where}", params).fetchone()[0] or 0)
     if len(_TOTALS) > 1000:
         _TOTALS.clear()
     _TOTALS[key] = (generation, time.monotonic(), total)
@@ -511,8 +517,9 @@ def _total_key(ctx: SearchContext, where: str, params: Sequence[Any]) -> tuple[i
     return id(ctx.store), where, json.dumps(list(params))
 
 
-async def graph_signal(
-    ctx: SearchContext, query: str, where: str, params: Sequence[Any], project: str | None, n: int,
+def graph_signal(
+    ctx: SearchContext, conn: sqlite3.Connection, query: str, where: str, params: Sequence[Any], project: str | None,
+    n: int,
 ) -> list[tuple[int, float]]:
     """Memories that mention the query's entities, by summed idf over the memories searched."""
     names = list(dict.fromkeys(name for name, _ in extract_entities(query)))
@@ -524,7 +531,7 @@ async def graph_signal(
     if project:
         sql += " AND project IN (?, 'user')"
         args.append(project)
-    entities = await ctx.store.fetchall(sql, args)
+    entities = conn.execute(sql, args).fetchall()
     if not entities:
         return []
     # The entities' newest postings, a subquery each (each walks the edge index), in as few statements as SQLite's
@@ -532,10 +539,10 @@ async def graph_signal(
     found: dict[int, list[int]] = {}
     for start in range(0, len(entities), 200):
         chunk = entities[start : start + 200]
-        for entity_id, src_id in await ctx.store.fetchall(" UNION ALL ".join(
+        for entity_id, src_id in conn.execute(" UNION ALL ".join(
                 "SELECT * FROM (SELECT dst_id, src_id FROM edges WHERE dst_type = 'entity' AND dst_id = ?"
                 " AND type = 'mentions' AND src_type = 'memory' ORDER BY src_id DESC LIMIT ?)" for _ in chunk),
-                [p for entity in chunk for p in (entity[0], GRAPH_POSTINGS)]):
+                [p for entity in chunk for p in (entity[0], GRAPH_POSTINGS)]).fetchall():
             found.setdefault(entity_id, []).append(src_id)
     postings: dict[str, set[int]] = {}
     df: dict[str, int] = {}
@@ -543,8 +550,8 @@ async def graph_signal(
         ids = found.get(entity_id, [])
         postings.setdefault(name, set()).update(ids)
         df[name] = df.get(name, 0) + (max(mentions, len(ids)) if len(ids) == GRAPH_POSTINGS else len(ids))
-    ranked = score_by_entities(names, postings, await _total(ctx, where, params), df)
-    kept = set(await _verify(ctx.store, [i for i, _ in ranked], where, params, n))
+    ranked = score_by_entities(names, postings, _total(ctx, conn, where, params), df)
+    kept = set(_verify(conn, [i for i, _ in ranked], where, params, n))
     return [(i, score) for i, score in ranked if i in kept]
 
 
@@ -580,6 +587,23 @@ async def search_memories(ctx: SearchContext, *, explain: bool = False, **kwargs
     return [hit.as_dict(explain) for hit in await search_hits(ctx, **kwargs)]
 
 
+@dataclass(frozen=True)
+class _Search:
+    """What `search_hits` was asked, resolved: what the reader's thread needs for its reads and the fusion."""
+
+    query: str
+    limit: int
+    project: str | None
+    where: str
+    params: list[Any]
+    active: dict[str, float]
+    knobs: dict[str, Any]
+    window_chars: int
+    lead_chars: int
+    half_life_days: float
+    timings: dict[str, float]
+
+
 async def search_hits(
     ctx: SearchContext, *, query: str, limit: int = 10, mode: str = "hybrid", project: str | None = None,
     scope: str | None = None, kind: str | list[str] | None = None, since: float | None = None,
@@ -588,75 +612,100 @@ async def search_hits(
     report: dict[str, Any] | None = None, window_chars: int = WINDOW_CHARS, lead_chars: int = LEAD_CHARS,
 ) -> list[Hit]:
     """Fused search. `report`, when given, receives per-stage timings (ms) and notes on signals that could not run;
-    an evidence hit shows at most `window_chars` of its step (`search/windows.py`), the first hit `lead_chars`."""
+    an evidence hit shows at most `window_chars` of its step (`search/windows.py`), the first hit `lead_chars`.
+
+    Its reads run on the reader's thread in two trips (`Store.read`): the keyword and graph signals while the query
+    is embedded, then the fusion and what the hits show; in one trip when there is no vector search to wait for (a
+    prompt's keyword recall). A trip per read, 10-15 of them one after another, waited each time for the event loop's
+    turn: during a catch-up a prompt's recall took up to 71 ms (closing note, stop 41)."""
     started = time.perf_counter()
     active = resolve_weights(mode, weights)
     knobs = resolve_tuning(tuning)
     where, params = memory_filters(project, scope, kind, since, until, session_id, include_archived)
-    n = knobs["candidates"]
-    timings: dict[str, float] = {}
+    plan = _Search(query, limit, project, where, list(params), active, knobs, window_chars, lead_chars,
+                   ctx.half_life_days, {})
     notes: list[str] = []
-    scored: dict[str, list[tuple[int, float]]] = {}
+    if "vec" in active and ctx.vectors is None:
+        notes.append("vec: no vectors to search (embedder off)")
+    if "vec" not in active or ctx.vectors is None:
+        def whole(conn: sqlite3.Connection) -> list[Hit]:
+            scored = _signals(ctx, plan, conn)
+            if "vec" in active:
+                scored["vec"] = []
+            return _ranked(plan, scored, conn)
 
-    knn = None
-    if "vec" in active and ctx.vectors is not None:
+        results = await ctx.store.read(whole)
+    else:
         # Started first: the query is embedded on its own thread while the keyword and graph signals query SQLite.
         kinds = None if not kind else (kind,) if isinstance(kind, str) else tuple(kind)
         filters = Filters(project or None, scope or None, kinds, since, until, session_id or None, include_archived)
         knn = asyncio.create_task(ctx.vectors.knn(
-            query, k=n, filters=filters, where=where, params=params, mixed=knobs["mixed"],
-            prefilter=knobs["prefilter"], timings=timings))
-    try:
-        async def timed(name: str, signal: Awaitable[list[tuple[int, float]]]) -> None:
-            t = time.perf_counter()
-            scored[name] = await signal
-            timings[f"{name}_ms"] = _ms(t)
-
-        # Together: their queries queue on the reader's thread back to back instead of one round trip each.
-        signals = []
-        if "fts" in active:
-            signals.append(timed("fts", fts_signal(ctx.store, query, where, params, n, knobs["ctx_weight"],
-                                                   knobs["fts_budget"], await _total(ctx, "1", ()),
-                                                   _counted(ctx, where, params))))
-        if "graph" in active:
-            signals.append(timed("graph", graph_signal(ctx, query, where, params, project, n)))
-        await asyncio.gather(*signals)
-        found = None
-        if knn is not None:
+            query, k=knobs["candidates"], filters=filters, where=where, params=params, mixed=knobs["mixed"],
+            prefilter=knobs["prefilter"], timings=plan.timings))
+        try:
+            scored = await ctx.store.read(functools.partial(_signals, ctx, plan))
             try:
                 found = await knn
             except EmbedderError as exc:  # a remote endpoint down: the other signals still answer
                 notes.append(f"vec: the query could not be embedded: {exc}")
                 found = []
-    finally:
-        if knn is not None and not knn.done():
-            knn.cancel()
-    if "vec" in active:
+        finally:
+            if not knn.done():
+                knn.cancel()
         if found is None:
-            state = ctx.vectors.status() if ctx.vectors is not None else {"state": "off"}
+            state = ctx.vectors.status()
             why = f"{state['state']}: {state['error']}" if state.get("error") else state["state"]
             notes.append(f"vec: no vectors to search (embedder {why})")
         scored["vec"] = found or []
+        results = await ctx.store.read(functools.partial(_ranked, plan, scored))
+    plan.timings["total_ms"] = _ms(started)
+    if report is not None:
+        report["timings"] = plan.timings
+        report["weights"] = active
+        if notes:
+            report["notes"] = notes
+    return results
 
+
+def _signals(ctx: SearchContext, plan: _Search, conn: sqlite3.Connection) -> dict[str, list[tuple[int, float]]]:
+    """The keyword and graph signals (those `plan.active` weighs), on the reader's thread."""
+    scored: dict[str, list[tuple[int, float]]] = {}
+    n, knobs = plan.knobs["candidates"], plan.knobs
+    if "fts" in plan.active:
+        indexed, passing = _total(ctx, conn, "1", ()), _counted(ctx, plan.where, plan.params)
+        t = time.perf_counter()
+        scored["fts"] = fts_signal(conn, plan.query, plan.where, plan.params, n, knobs["ctx_weight"],
+                                   knobs["fts_budget"], indexed, passing)
+        plan.timings["fts_ms"] = _ms(t)
+    if "graph" in plan.active:
+        t = time.perf_counter()
+        scored["graph"] = graph_signal(ctx, conn, plan.query, plan.where, plan.params, plan.project, n)
+        plan.timings["graph_ms"] = _ms(t)
+    return scored
+
+
+def _ranked(plan: _Search, scored: dict[str, list[tuple[int, float]]], conn: sqlite3.Connection) -> list[Hit]:
+    """The signals fused and reordered, collapsed by provenance, and the first `plan.limit` hits as shown, on the
+    reader's thread."""
     # The pool recency and recurrence reorder: what the relevance signals found.
     pool = {i for name in ("fts", "vec") for i, _ in scored.get(name, [])}
-    if not pool and "fts" not in active and "vec" not in active:
+    if not pool and "fts" not in plan.active and "vec" not in plan.active:
         pool = {i for i, _ in scored.get("graph", [])}
     t = time.perf_counter()
-    if "recency" in active or "recurrence" in active:
-        if not ({"fts", "vec", "graph"} & set(active)):
-            pool = await _prior_pool(ctx.store, where, params, n, active)
-        facts = await _facts(ctx.store, pool)
+    if "recency" in plan.active or "recurrence" in plan.active:
+        if not ({"fts", "vec", "graph"} & set(plan.active)):
+            pool = _prior_pool(conn, plan.where, plan.params, plan.knobs["candidates"], plan.active)
+        facts = _facts(conn, pool)
         pool &= facts.keys()  # deleted since the signals read it (a retention's GC): nothing to rank
         now = time.time()
-        half_life = max(ctx.half_life_days, 1e-6) * 86400
-        if "recency" in active:
+        half_life = max(plan.half_life_days, 1e-6) * 86400
+        if "recency" in plan.active:
             newest = sorted(pool, key=lambda i: (-facts[i][0], -i))
             scored["recency"] = [(i, round(0.5 ** (max(0.0, now - facts[i][0]) / half_life), 6)) for i in newest]
-        if "recurrence" in active:
+        if "recurrence" in plan.active:
             recurring = sorted((i for i in pool if facts[i][1] > 0), key=lambda i: (-facts[i][1], i))
             scored["recurrence"] = [(i, float(facts[i][1])) for i in recurring]
-    fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, active, knobs["rrf_k"])
+    fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, plan.active, plan.knobs["rrf_k"])
     # A question of a form whose answer shares few of its words gets a ranking of its own, each seeing the fusion so
     # far: "where did it stop?" (the last steps of the session the best hits come from), "what did the user ask
     # for?" (what the user said around the work the best hits are about), "how do I run the tests?" (the runs that
@@ -665,13 +714,13 @@ async def search_hits(
                                        ("voice", USER_ASKED, VOICE_HITS, _user_words),
                                        ("worked", RUN_ASKED, WORKED_HITS, _worked),
                                        ("fix", FIX_ASKED, FIX_HITS, _edits_after)):
-        if knobs[name] > 0 and fused and asked.search(query):
-            scored[name] = await ranking(ctx.store, fused[:best], where, params)
-            fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored},
-                                 {**active, **{n: knobs[n] for n in ASKED_SIGNALS if n in scored}}, knobs["rrf_k"])
-    if knobs["unvoiced"] > 0 and scored.get("voice"):
+        if plan.knobs[name] > 0 and fused and asked.search(plan.query):
+            scored[name] = ranking(conn, fused[:best], plan.where, plan.params)
+            weights = {**plan.active, **{n: plan.knobs[n] for n in ASKED_SIGNALS if n in scored}}
+            fused = weighted_rrf({s: [i for i, _ in scored[s]] for s in scored}, weights, plan.knobs["rrf_k"])
+    if plan.knobs["unvoiced"] > 0 and scored.get("voice"):
         # Asked what the user wanted, what the user said outranks what was done: the rest keeps a share of its score.
-        said, keep = {i for i, _ in scored["voice"]}, 1 - knobs["unvoiced"]
+        said, keep = {i for i, _ in scored["voice"]}, 1 - plan.knobs["unvoiced"]
         fused = sorted(((i, score if i in said else score * keep, parts) for i, score, parts in fused),
                        key=lambda f: (-f[1], f[0]))
     # Collapse by provenance: a candidate whose source events a better one already cites takes no slot of its own
@@ -679,39 +728,39 @@ async def search_hits(
     # A passage of an aside (a step that only showed files: a Read, `cat`, `rg`; a message that only announces the
     # next step) keeps a share of its score: the answer is what the session found, said or did. Twice the pool is
     # looked at, so what the others drop to makes room for what rises.
-    slots = limit * COLLAPSE_POOL
+    slots = plan.limit * COLLAPSE_POOL
     looked = fused[: 2 * slots]
-    by_id = await _rows(ctx.store, [f[0] for f in looked[:slots]])
-    if knobs["aside_prior"] < 1:
+    by_id = _rows(conn, [f[0] for f in looked[:slots]])
+    if plan.knobs["aside_prior"] < 1:
         asides = {i for i, row in by_id.items() if marked_aside(row["kind"], row["meta"])}
         # With no aside in the first `slots` nothing there drops, so nothing past them rises (`fused` is in score
         # order, equal scores by id): the rows past them are read only when an aside makes room.
         if asides and len(looked) > slots:
-            more = await _rows(ctx.store, [f[0] for f in looked[slots:]])
+            more = _rows(conn, [f[0] for f in looked[slots:]])
             by_id.update(more)
             asides.update(i for i, row in more.items() if marked_aside(row["kind"], row["meta"]))
         if asides:
-            prior = knobs["aside_prior"]
-            lifted = {i: views_lifted(query, by_id[i]["meta"], knobs) for i in asides}
+            prior = plan.knobs["aside_prior"]
+            lifted = {i: views_lifted(plan.query, by_id[i]["meta"], plan.knobs) for i in asides}
             share = {i: prior + (1 - prior) * lift for i, lift in lifted.items()}
             looked = sorted(((i, score * share[i] if i in asides else score, parts) for i, score, parts in looked),
                             key=lambda f: (-f[1], f[0]))
-    if knobs["passed_runs"] > 0 and not RUN_ASKED.search(query):
+    if plan.knobs["passed_runs"] > 0 and not RUN_ASKED.search(plan.query):
         # Not asked how to run something: a note that a run passed says little more than the question's words.
         # As with the asides: a note in the first `slots` drops, so the rows past them are read to rise or drop too.
         if any(_a_passed_note(row) for row in by_id.values()):
-            by_id.update(await _rows(ctx.store, [f[0] for f in looked if f[0] not in by_id]))
-            noted, keep = {i for i, row in by_id.items() if _a_passed_note(row)}, 1 - knobs["passed_runs"]
+            by_id.update(_rows(conn, [f[0] for f in looked if f[0] not in by_id]))
+            noted, keep = {i for i, row in by_id.items() if _a_passed_note(row)}, 1 - plan.knobs["passed_runs"]
             looked = sorted(((i, score * keep if i in noted else score, parts) for i, score, parts in looked),
                             key=lambda f: (-f[1], f[0]))
     candidates = looked[:slots]
-    sources = await _sources(ctx.store, [f[0] for f in candidates])
+    sources = _sources(conn, [f[0] for f in candidates])
     # Out of date (superseded by a later memory) ranks below everything current, its successor included.
     candidates.sort(key=lambda f: f[0] in by_id and by_id[f[0]]["superseded_by"] is not None)
     raw = {s: dict(items) for s, items in scored.items()}
     results: list[Hit] = []
     cited: dict[int, Hit] = {}  # source event -> the hit that holds it
-    terms = query_terms(query)
+    terms = query_terms(plan.query)
     kept_words: list[tuple[Hit, frozenset[str]]] = []
 
     def take_slot(old: Hit, new: Hit, words: frozenset[str], mine: Sequence[int]) -> None:
@@ -745,7 +794,7 @@ async def search_hits(
                        and not (evidence and cited[e].memory["kind"] == "evidence"
                                 and set(sources.get(cited[e].memory["id"], ())) != set(mine))), None)
         if holder is None:
-            if len(results) < limit + SPARE_HITS:
+            if len(results) < plan.limit + SPARE_HITS:
                 results.append(hit)
                 if evidence:
                     kept_words.append((hit, words))
@@ -755,15 +804,9 @@ async def search_hits(
             take_slot(holder, hit, words, mine)  # the dense memory: the passage it came from is collapsed into it
         else:
             holder.memory.setdefault("collapsed", []).append(memory_id)
-    results = await _show_windows(ctx.store, results, {i: by_id[i]["meta"] for i in by_id}, sources, query,
-                                  window_chars, max(lead_chars, window_chars), limit, knobs["repeated"])
-    timings["fuse_ms"] = _ms(t)
-    timings["total_ms"] = _ms(started)
-    if report is not None:
-        report["timings"] = timings
-        report["weights"] = active
-        if notes:
-            report["notes"] = notes
+    results = _show_windows(conn, results, {i: by_id[i]["meta"] for i in by_id}, sources, plan.query, plan.window_chars,
+                            max(plan.lead_chars, plan.window_chars), plan.limit, plan.knobs["repeated"])
+    plan.timings["fuse_ms"] = _ms(t)
     return results
 
 
@@ -809,9 +852,9 @@ def _ms(started: float) -> float:
     return round((time.perf_counter() - started) * 1000, 3)
 
 
-async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, Any],
-                        sources: Mapping[int, tuple[int, ...]], query: str, budget: int, lead: int,
-                        limit: int, repeated: float = REPEATED) -> list[Hit]:
+def _show_windows(conn: sqlite3.Connection, hits: Sequence[Hit], metas: Mapping[int, Any],
+                  sources: Mapping[int, tuple[int, ...]], query: str, budget: int, lead: int,
+                  limit: int, repeated: float = REPEATED) -> list[Hit]:
     """The first `limit` hits as shown: each evidence hit shows the windows of its whole step that match the query
     (`search/windows.py`), the first hit `lead` characters of them, the others `budget`. A hit that shows nearly the
     words of one shown before it (two steps that repeat one commit message, one summary: `_repeats`) takes no
@@ -822,8 +865,8 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
         return held_terms(terms, line)
 
     # What a user's ask led to: the turn's answer, shown with the ask (`_answers`).
-    answers = await _answers(store, [(hit.memory["session_id"], sources[hit.memory["id"]][-1]) for hit in hits
-                                     if "goal" in hit.memory["tags"] and sources.get(hit.memory["id"])])
+    answers = _answers(conn, [(hit.memory["session_id"], sources[hit.memory["id"]][-1]) for hit in hits
+                               if "goal" in hit.memory["tags"] and sources.get(hit.memory["id"])])
     # The steps every hit may show, in one read: an evidence hit's own step, an observation's source steps.
     wanted = {e for hit in hits if hit.memory["kind"] in ("evidence", "observation")
               for e in sources.get(hit.memory["id"], ())[:1 if hit.memory["kind"] == "evidence" else MAX_SOURCE_STEPS]}
@@ -831,8 +874,8 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
     # what the check found (coding QA dev set: templar-ci-08 8 -> 3, all@5 .74 -> .75, recall .53 -> .54).
     leads = {hit.memory["id"]: start for hit in hits if (start := _leads_on(hit, metas, sources)) is not None}
     sessions = {hit.memory["id"]: hit.memory["session_id"] for hit in hits}
-    outcomes = await _outcomes(store, [(sessions[i], start) for i, start in leads.items()]) if leads else {}
-    steps = await _steps(store, sorted(wanted | set(answers.values()) | {e for o in outcomes.values() for e in o})) \
+    outcomes = _outcomes(conn, [(sessions[i], start) for i, start in leads.items()]) if leads else {}
+    steps = _steps(conn, sorted(wanted | set(answers.values()) | {e for o in outcomes.values() for e in o})) \
         if wanted else {}
     # Every word the windows may ask `holds` about, stemmed in one call: line by line, a call each cost ~40 µs however
     # few its new words (a prompt's windows 8-10 ms after a catch-up).
@@ -879,16 +922,16 @@ async def _show_windows(store: Store, hits: Sequence[Hit], metas: Mapping[int, A
     return [hit for hit, _ in shown]
 
 
-async def _answers(store: Store, asks: Sequence[tuple[str | None, int]]) -> dict[int, int]:
+def _answers(conn: sqlite3.Connection, asks: Sequence[tuple[str | None, int]]) -> dict[int, int]:
     """For each (session, the event of a user's ask): the event of the agent's last message before the user spoke
     again — the turn's answer. "User asked: can you write a balanced opinion?" is found by the question's words;
     what the agent wrote back is what a later agent wants (coding QA: all@5 .70 → .71)."""
-    found = await _rest_of_turn(store, asks, ("assistant_message", "Stop", "TurnComplete"), last=True, limit=1)
+    found = _rest_of_turn(conn, asks, ("assistant_message", "Stop", "TurnComplete"), last=True, limit=1)
     return {asked: said[0] for asked, said in found.items()}
 
 
-async def _rest_of_turn(store: Store, starts: Sequence[tuple[str | None, int]], kinds: Sequence[str], *,
-                        last: bool, limit: int) -> dict[int, tuple[int, ...]]:
+def _rest_of_turn(conn: sqlite3.Connection, starts: Sequence[tuple[str | None, int]], kinds: Sequence[str], *,
+                  last: bool, limit: int) -> dict[int, tuple[int, ...]]:
     """For each (session, an event): the events of the agent's messages (`kinds`) after it and before the user spoke
     again, the first `limit` of them in order, or (`last`) the last ones, latest first."""
     found: dict[int, tuple[int, ...]] = {}
@@ -896,11 +939,11 @@ async def _rest_of_turn(store: Store, starts: Sequence[tuple[str | None, int]], 
     for session_id, start in starts:
         if session_id is None or start in found:
             continue
-        rows = await store.fetchall(
+        rows = conn.execute(
             f"SELECT id FROM events WHERE session_id = ?1 AND id > ?2 AND kind IN ({marks}) AND id < coalesce((SELECT"
             " min(id) FROM events WHERE session_id = ?1 AND id > ?2 AND kind IN ('user_message', 'UserPromptSubmit')),"
             f" 9223372036854775807) ORDER BY id {'DESC' if last else 'ASC'} LIMIT ?",
-            [session_id, start, *kinds, limit])
+            [session_id, start, *kinds, limit]).fetchall()
         if rows:
             found[start] = tuple(int(r[0]) for r in rows)
     return found
@@ -929,21 +972,21 @@ def _leads_on(hit: Hit, metas: Mapping[int, Any], sources: Mapping[int, tuple[in
 _FAILED_RUN = re.compile(r"`[^\n`]*` failed:")  # the observer's note of a failed run (`workers/rules.py`)
 
 
-async def _outcomes(store: Store, announced: Sequence[tuple[str | None, int]]) -> dict[int, tuple[int, ...]]:
+def _outcomes(conn: sqlite3.Connection, announced: Sequence[tuple[str | None, int]]) -> dict[int, tuple[int, ...]]:
     """For each (session, the event of an announcing message): the events of the agent's next `OUTCOME_HOPS`
     messages before the user spoke again — what the tool calls it announced found (`_show_windows` keeps them up to
     the first that does not announce again)."""
-    return await _rest_of_turn(store, announced, ("assistant_message",), last=False, limit=OUTCOME_HOPS)
+    return _rest_of_turn(conn, announced, ("assistant_message",), last=False, limit=OUTCOME_HOPS)
 
 
-async def _steps(store: Store, events: Sequence[int]) -> dict[tuple[int, str], tuple[int, list[str]]]:
+def _steps(conn: sqlite3.Connection, events: Sequence[int]) -> dict[tuple[int, str], tuple[int, list[str]]]:
     """The steps stored as evidence passages of `events`, by (event, the step's header): how many passages, and
     the step's lines."""
     parts: dict[tuple[int, str], list[tuple[int, str]]] = {}
-    for event_id, text, meta in await store.fetchall(
+    for event_id, text, meta in conn.execute(
             "SELECT s.event_id, m.text, m.meta FROM memory_sources s JOIN memories m ON m.id = s.memory_id WHERE"
             " s.event_id IN (SELECT value FROM json_each(?)) AND m.kind = 'evidence' AND m.archived_at IS NULL",
-            [json.dumps(list(events))]):
+            [json.dumps(list(events))]).fetchall():
         head = passage_head(meta)
         if head is not None:
             parts.setdefault((event_id, head), []).append((json.loads(meta).get("part", 0), text))
@@ -1003,82 +1046,82 @@ def _near(a: frozenset[str], b: frozenset[str]) -> bool:
     return bool(a) and bool(b) and len(a & b) >= NEAR_DUPLICATE * len(a | b)
 
 
-async def _rows(store: Store, ids: Sequence[int]) -> dict[int, Any]:
+def _rows(conn: sqlite3.Connection, ids: Sequence[int]) -> dict[int, Any]:
     """The memories' rows by id."""
-    rows = await store.fetchall("SELECT m.* FROM memories m WHERE m.id IN (SELECT value FROM json_each(?))",
-                                [json.dumps(list(ids))])
+    rows = conn.execute("SELECT m.* FROM memories m WHERE m.id IN (SELECT value FROM json_each(?))",
+                        [json.dumps(list(ids))]).fetchall()
     return {row["id"]: row for row in rows}
 
 
-async def _sources(store: Store, ids: Sequence[int]) -> dict[int, tuple[int, ...]]:
+def _sources(conn: sqlite3.Connection, ids: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """Each memory's source events (what it was made from)."""
     found: dict[int, list[int]] = {}
-    for memory_id, event_id in await store.fetchall(
+    for memory_id, event_id in conn.execute(
             "SELECT memory_id, event_id FROM memory_sources WHERE memory_id IN (SELECT value FROM json_each(?))",
-            [json.dumps(list(ids))]):
+            [json.dumps(list(ids))]).fetchall():
         found.setdefault(memory_id, []).append(event_id)
     return {k: tuple(v) for k, v in found.items()}
 
 
-async def _session_end(store: Store, best: Sequence[tuple[int, float, Any]], where: str,
-                       params: Sequence[Any]) -> list[tuple[int, float]]:
+def _session_end(conn: sqlite3.Connection, best: Sequence[tuple[int, float, Any]], where: str,
+                 params: Sequence[Any]) -> list[tuple[int, float]]:
     """The `ENDING_STEPS` latest memories (evidence and observations, by their latest source event) of the session
     the `best` hits weigh most in (summed fused score), latest first."""
     score = {i: s for i, s, _ in best}
     weight: dict[str, float] = {}
-    for memory_id, session_id in await store.fetchall(
+    for memory_id, session_id in conn.execute(
             "SELECT id, session_id FROM memories WHERE id IN (SELECT value FROM json_each(?)) AND session_id IS NOT"
-            " NULL", [json.dumps(list(score))]):
+            " NULL", [json.dumps(list(score))]).fetchall():
         weight[session_id] = weight.get(session_id, 0.0) + score[memory_id]
     if not weight:
         return []
     session = max(weight, key=lambda k: (weight[k], k))
-    rows = await store.fetchall(
+    rows = conn.execute(
         f"SELECT m.id, max(s.event_id) AS last FROM memories m JOIN memory_sources s ON s.memory_id = m.id"
         f" WHERE m.session_id = ? AND m.kind IN ('evidence', 'observation') AND {where} GROUP BY m.id"
-        f" ORDER BY last DESC, m.id DESC LIMIT ?", [session, *params, ENDING_STEPS])
+        f" ORDER BY last DESC, m.id DESC LIMIT ?", [session, *params, ENDING_STEPS]).fetchall()
     return [(r[0], float(place)) for place, r in enumerate(rows, 1)]  # its raw score: its place from the end
 
 
-async def _user_words(store: Store, best: Sequence[tuple[int, float, Any]], where: str,
-                      params: Sequence[Any]) -> list[tuple[int, float]]:
+def _user_words(conn: sqlite3.Connection, best: Sequence[tuple[int, float, Any]], where: str,
+                params: Sequence[Any]) -> list[tuple[int, float]]:
     """The user's own words (`_in_user_voice`) said last before and first after each of the `best` hits, by the summed
     fused score of the hits they frame, best first (of one event's, the prompt's own passage first). Asked what the
     user wanted, the answer is what the user said around the work the question is about, in words the question
     rarely shares ("also use tdd and serena and the mcp tools", said as the SDK work started; "why tf are you editing
     generated code!")."""
-    found = await _around(store, best, where, params, "(m.kind IN ('constraint', 'preference') OR (m.kind = 'evidence'"
-                          " AND m.text LIKE 'User:%') OR (m.kind = 'observation' AND m.meta LIKE '%\"by\"%'))",
-                          _in_user_voice, before=True)
+    found = _around(conn, best, where, params, "(m.kind IN ('constraint', 'preference') OR (m.kind = 'evidence'"
+                    " AND m.text LIKE 'User:%') OR (m.kind = 'observation' AND m.meta LIKE '%\"by\"%'))",
+                    _in_user_voice, before=True)
     return [(i, w) for i, (w, kind) in sorted(found.items(), key=lambda f: (-f[1][0], f[1][1] != "evidence", f[0]))]
 
 
-async def _edits_after(store: Store, best: Sequence[tuple[int, float, Any]], where: str,
-                       params: Sequence[Any]) -> list[tuple[int, float]]:
+def _edits_after(conn: sqlite3.Connection, best: Sequence[tuple[int, float, Any]], where: str,
+                 params: Sequence[Any]) -> list[tuple[int, float]]:
     """The edits (`_an_edit`) made first after each of the `best` hits, by the summed fused score of the hits they
     follow, best first. Asked what fixed something, the answer is the change made after the failure, the report or
     the finding the question's words find ("A subagent reported that the langgraph dependency could not be installed.
     What was the fix?": the edit of package.json that followed)."""
-    found = await _around(store, best, where, params, _EDITS_SQL, _an_edit, before=False)
+    found = _around(conn, best, where, params, _EDITS_SQL, _an_edit, before=False)
     return [(i, w) for i, (w, _) in sorted(found.items(), key=lambda f: (-f[1][0], f[0]))]
 
 
-async def _around(store: Store, best: Sequence[tuple[int, float, Any]], where: str, params: Sequence[Any], which: str,
-                  pick: Callable[[str, str | None, str], bool], before: bool) -> dict[int, tuple[float, str]]:
+def _around(conn: sqlite3.Connection, best: Sequence[tuple[int, float, Any]], where: str, params: Sequence[Any],
+            which: str, pick: Callable[[str, str | None, str], bool], before: bool) -> dict[int, tuple[float, str]]:
     """For each of the `best` hits: in its session, the memories (`which`, an SQL condition over alias m, and
     `pick(kind, meta, text)`) of the first event after the hit and (`before`) of the last one at or before it. Each
     such memory: the summed fused score of the hits it frames, and its kind."""
     ids = [i for i, _, _ in best]
-    sources = await _sources(store, ids)
-    sessions = {r[0]: r[1] for r in await store.fetchall(
+    sources = _sources(conn, ids)
+    sessions = {r[0]: r[1] for r in conn.execute(
         "SELECT id, session_id FROM memories WHERE id IN (SELECT value FROM json_each(?)) AND session_id IS NOT NULL",
-        [json.dumps(ids)])}
+        [json.dumps(ids)]).fetchall()}
     picked: dict[str, list[tuple[int, int, str]]] = {}  # session -> (the memory's latest event, memory, kind)
     for session_id in set(sessions.values()):
-        rows = await store.fetchall(
+        rows = conn.execute(
             f"SELECT m.id, max(s.event_id), m.kind, m.meta, m.text FROM memories m JOIN memory_sources s"
             f" ON s.memory_id = m.id WHERE m.session_id = ? AND {where} AND {which} GROUP BY m.id",
-            [session_id, *params])
+            [session_id, *params]).fetchall()
         picked[session_id] = sorted((int(r[1]), int(r[0]), r[2]) for r in rows if pick(r[2], r[3], r[4]))
     weight: dict[tuple[str, int], float] = {}
     for memory_id, score, _ in best:
@@ -1097,13 +1140,13 @@ async def _around(store: Store, best: Sequence[tuple[int, float, Any]], where: s
             for event, memory_id, kind in found if (session_id, event) in weight}
 
 
-async def _worked(store: Store, best: Sequence[tuple[int, float, Any]], where: str,
-                  params: Sequence[Any]) -> list[tuple[int, float]]:
+def _worked(conn: sqlite3.Connection, best: Sequence[tuple[int, float, Any]], where: str,
+            params: Sequence[Any]) -> list[tuple[int, float]]:
     """Of the `best` hits, in their order, the runs that worked: a procedure, the observer's note of a command that
     passed ("Tests pass: `PYTHONPATH=src python3 -m pytest tests/ -v`", "Works: `pnpm build`"). Asked how to run
     something, the answer is the command that worked, which a passage that only names the project and its tests
     ("mkdir -p /tmp/loopkit/tests") outranks by its words."""
-    rows = await _rows(store, [i for i, _, _ in best])
+    rows = _rows(conn, [i for i, _, _ in best])
     return [(i, score) for i, score, _ in best if i in rows and _a_run_that_worked(rows[i]["kind"], rows[i]["meta"])]
 
 
@@ -1147,25 +1190,27 @@ def _in_user_voice(kind: str, meta: str | None, text: str) -> bool:
         return False
 
 
-async def _facts(store: Store, ids: set[int]) -> dict[int, tuple[float, int]]:
+def _facts(conn: sqlite3.Connection, ids: set[int]) -> dict[int, tuple[float, int]]:
     if not ids:
         return {}
-    rows = await store.fetchall(
+    rows = conn.execute(
         "SELECT m.id, m.created, coalesce(v.recurrence, 0) FROM memories m LEFT JOIN memory_vectors v"
-        " ON v.memory_id = m.id WHERE m.id IN (SELECT value FROM json_each(?))", [json.dumps(sorted(ids))])
+        " ON v.memory_id = m.id WHERE m.id IN (SELECT value FROM json_each(?))", [json.dumps(sorted(ids))]).fetchall()
     return {r[0]: (float(r[1]), int(r[2])) for r in rows}
 
 
-async def _prior_pool(store: Store, where: str, params: Sequence[Any], n: int, active: Mapping[str, float]) -> set[int]:
+def _prior_pool(conn: sqlite3.Connection, where: str, params: Sequence[Any], n: int,
+                active: Mapping[str, float]) -> set[int]:
     """Recency or recurrence alone: the newest and the most recurring memories that pass the filters."""
     pool: set[int] = set()
     if "recency" in active:
-        rows = await store.fetchall(
-            f"SELECT m.id FROM memories m WHERE {where} ORDER BY m.created DESC, m.id DESC LIMIT ?", [*params, n])
+        rows = conn.execute(
+            f"SELECT m.id FROM memories m WHERE {where} ORDER BY m.created DESC, m.id DESC LIMIT ?",
+            [*params, n]).fetchall()
         pool.update(r[0] for r in rows)
     if "recurrence" in active:
-        rows = await store.fetchall(
+        rows = conn.execute(
             f"SELECT m.id FROM memories m JOIN memory_vectors v ON v.memory_id = m.id WHERE v.recurrence > 0"
-            f" AND {where} ORDER BY v.recurrence DESC, m.id LIMIT ?", [*params, n])
+            f" AND {where} ORDER BY v.recurrence DESC, m.id LIMIT ?", [*params, n]).fetchall()
         pool.update(r[0] for r in rows)
     return pool
