@@ -82,3 +82,35 @@ async def test_the_writers_thread_asks_for_the_sync_so_it_begins_while_the_loop_
         time.sleep(0.005)  # noqa: ASYNC251 - the event loop blocked: nothing it hands the sync thread can start
     assert store.durable_commits > mark  # the fsync ran all the same: the writer's thread asked for it itself
     await store.wal.wait(mark + 1)
+
+
+async def test_a_lone_live_commit_is_synced_on_the_writers_thread_and_comes_back_durable(store: Store) -> None:
+    create = "CREATE TABLE IF NOT EXISTS wal_probe (key, value)"
+    for body in (lambda conn: conn.execute(create), insert("hook")):
+        _, mark = await store.commit_on_thread(body, durable=False, sync=True, urgent=True)
+        assert store.durable_commits > mark  # on disk as it comes back: no wait for a sync thread's call
+    # ... and no sync thread was ever woken for them (asked to sync, the store starts one).
+    assert not [t for t in threading.enumerate() if t.name == "loomd-wal-sync"]
+    assert store.wal.syncs == 2
+    await store.wal.wait(mark + 1)
+
+
+async def test_a_sync_on_the_writers_thread_also_resolves_the_commits_waiting_before_it(store: Store) -> None:
+    await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
+    gate = threading.Event()
+    store.wal.run_on_thread(gate.wait)  # the sync thread held up: it syncs nothing until the gate opens
+    try:
+        waiting = asyncio.create_task(store.commit_on_thread(insert("worker")))  # durable: waits for a sync
+        for _ in range(1000):
+            if store.wal.pending:
+                break
+            await asyncio.sleep(0.005)
+        assert not waiting.done()
+        # A hook's commit with no sync running syncs the log itself; that fsync began after the first COMMIT too.
+        await asyncio.wait_for(store.commit_on_thread(insert("hook"), durable=False, sync=True, urgent=True), 30)
+        await asyncio.wait_for(waiting, 30)  # resolved although the sync thread still waits at the gate
+        assert not gate.is_set()
+    finally:
+        gate.set()
+    rows = await store.fetchall("SELECT key FROM wal_probe ORDER BY key")
+    assert [r[0] for r in rows] == ["hook", "worker"]

@@ -306,13 +306,17 @@ class Store:
         `sync` with `durable=False`: the sync is asked for all the same, but not waited for (`EventWriter` waits for
         it apart, `wal.wait(mark + 1)`). Either way the writer's thread asks for it right after the COMMIT, so the
         fsync begins without waiting for the event loop's turn.
-        `urgent`: the transaction goes before the waiting ones that are not (a live hook's commit, `WriteTurns`).
+        `urgent`: the transaction goes before the waiting ones that are not (a live hook's commit, `WriteTurns`), and
+        its sync runs on the writer's thread right after the COMMIT when no other sync is running (`WalSync.sync_here`):
+        the writer is held for the fsync too, which the next live commit waits for all the same, and the result comes
+        back already durable, in one hand-off.
         Returns fn's result and a mark: once `durable_commits` has passed the mark, the transaction is on disk."""
         abandoned = threading.Event()
         wal = self.wal if durable or sync else None
         async with self._write_lock.hold(urgent):
             try:
-                result, number = await on_thread(self.writer, functools.partial(_transaction, fn, abandoned, wal))
+                result, number = await on_thread(self.writer, functools.partial(_transaction, fn, abandoned, wal,
+                                                                                urgent))
             except asyncio.CancelledError:
                 abandoned.set()  # the thread rolls back instead of committing, unless it has committed already
                 raise
@@ -371,10 +375,10 @@ class Abandoned(Exception):
 
 
 def _transaction(fn: Callable[[sqlite3.Connection], T], abandoned: threading.Event, wal: WalSync | None,
-                 conn: sqlite3.Connection) -> tuple[T, int]:
+                 here: bool, conn: sqlite3.Connection) -> tuple[T, int]:
     """`Store.commit_on_thread` on the writer's thread: runs to its end (COMMIT, or ROLLBACK if the caller was
     cancelled meanwhile), so the connection always leaves its transaction. With a `wal`, asks for the log's sync
-    after the COMMIT and returns its number with fn's result (0 without)."""
+    after the COMMIT, or (`here`, when no sync runs) runs it, and returns its number with fn's result (0 without)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         result = fn(conn)
@@ -385,4 +389,7 @@ def _transaction(fn: Callable[[sqlite3.Connection], T], abandoned: threading.Eve
         with contextlib.suppress(*DB_ERRORS):
             conn.execute("ROLLBACK")
         raise
-    return result, wal.request() if wal is not None else 0
+    if wal is None:
+        return result, 0
+    number = wal.sync_here() if here else None
+    return result, wal.request() if number is None else number
