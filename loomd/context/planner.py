@@ -47,6 +47,11 @@ ASK_SESSIONS = 3  # the project's newest sessions whose user asks the start bloc
 ASK_LINES = 3
 PROMPT_FTS_BUDGET = 2000  # memories the prompt hook's full-text query may score (retrieval.prune_terms)
 FOLLOW_UP_TIMEOUT_S = 10.0
+# A prompt's follow-up search begins this long after the hook's reply: the hook's process still has to read the reply
+# and exit, and the search's query embedding and reads, begun at once, took a CPU from it (on 2 CPUs the hooks bench's
+# UserPromptSubmit waited 2-3 ms longer than the daemon took to answer). Its result is wanted at the next tool result,
+# which comes after the model has written a tool call: seconds later.
+FOLLOW_UP_AFTER_S = 0.05
 MAX_FOLLOW_UPS = 256  # sessions with a semantic recall waiting for its tool result
 MIN_FOLLOW_UP = 200  # characters a prompt's block must have left for its follow-up to be searched for
 
@@ -138,7 +143,7 @@ class Planner:
         self._follow_up_room[session_id] = room
 
     async def _search_later(self, session_id: str, project: str, prompt: str) -> list[Line]:
-        await asyncio.sleep(0)  # the hook's reply goes out first: the agent is waiting for it
+        await asyncio.sleep(FOLLOW_UP_AFTER_S)  # the hook's reply goes out, and its process ends, first
         return await asyncio.wait_for(self._recall_lines(session_id, project, prompt, keyword_only=False),
                                     FOLLOW_UP_TIMEOUT_S)
 
