@@ -28,6 +28,9 @@ observed, observations reflected), what was left after each timed round, and aft
 still left (`rounds_with_work_left`; `ran_through_measurement` only if after every one: a history too small for
 the measurement leaves its last rounds timed on an idle daemon). `--gap-ms 0` measures back to back.
 
+`--asking-prompts`: UserPromptSubmit's prompts are the coding QA dev set's questions instead of the recorded prompts,
+of which few ask anything memory answers (3 of 26): every one then runs a recall, as a question to memory does.
+
 `--quiet-first` measures the daemon-up side once more before the background work begins, on the quiet daemon with
 the same gap (`quiet_same_gap`): what the gap alone costs (a machine idle for half a second wakes slowly: its disk's
 first fsync, its threads' first wake-ups) apart from what the background work adds (`over_quiet`, per kind).
@@ -39,7 +42,7 @@ the longest by generation.
 
     python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
                           [--gap-ms MS] [--daemon-config KEY=VALUE ...] [--background-import N]
-                          [--background-catchup N] [--quiet-first] [--repo DIR]
+                          [--background-catchup N] [--quiet-first] [--asking-prompts] [--repo DIR]
 """
 
 from __future__ import annotations
@@ -127,6 +130,14 @@ def load_payloads(data: Path, event: str) -> tuple[list[bytes], str]:
     if records:
         return records, "transcripts"
     return [json.dumps(BUILTIN[event], separators=(",", ":")).encode()], "builtin"
+
+
+def asking_prompts(data: Path) -> list[bytes]:
+    """UserPromptSubmit payloads whose prompts are the coding QA dev set's questions (next to the transcripts dir
+    `data`): each asks what memory holds."""
+    questions = json.loads((data.parent / "coding-qa-dev.json").read_text())["questions"]
+    return [json.dumps({**BUILTIN["UserPromptSubmit"], "prompt": q["question"]}, separators=(",", ":")).encode()
+            for q in questions]
 
 
 def fresh_session(payload: bytes, n: int) -> bytes:
@@ -527,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the checkout whose daemon (and `loom import`) runs, for an A/B (default: this one)")
     parser.add_argument("--background-catchup", type=int, default=0, metavar="N",
                         help="import an N-event synthetic history first, then measure while the daemon catches up")
+    parser.add_argument("--asking-prompts", action="store_true",
+                        help="UserPromptSubmit's prompts are the coding QA dev set's questions (each asks what memory"
+                             " holds, so each runs a recall), not the recorded ones (few of which do)")
     parser.add_argument("--quiet-first", action="store_true",
                         help="before the background work begins, measure the daemon-up side once on the quiet daemon,"
                              " with the same gap (`up.quiet_same_gap`, and each kind's `over_quiet`)")
@@ -547,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     sources: dict[str, Any] = {}
     for event in events:
         payloads[event], origin = load_payloads(opts.data, event)
+        if event == "UserPromptSubmit" and opts.asking_prompts:
+            payloads[event], origin = asking_prompts(opts.data), "coding QA questions"
         sizes = sorted(len(p) for p in payloads[event])
         sources[event] = {"from": origin, "payloads": len(sizes), "bytes_p50": sizes[len(sizes) // 2],
                           "bytes_max": sizes[-1]}  # fmt: skip
