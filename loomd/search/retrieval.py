@@ -296,13 +296,37 @@ def held_terms(query: str | Sequence[str], text: str) -> frozenset[str]:
         maybe = [t for t in terms if _may_stem_to(t, keys) or not any(c.isalnum() for c in t)]
         return frozenset(term for term, own in stemmer().many(maybe).items() if set(own) <= held)
     stems, keys = _query_stems(tuple(terms))
-    held = {t for ts in _stems_of_those_that_may(words, keys).values() for t in ts}
+    held = _held_stems(words, keys)
     return frozenset(term for term, own in stems if own <= held)
 
 
-def _stems_of_those_that_may(words: Iterable[str], keys: tuple[frozenset[str], ...]) -> dict[str, tuple[str, ...]]:
-    """The index terms of the words that may stem to one starting with `keys` (`_may_stem_to`); the others skipped."""
-    return stemmer().many(w for w in words if _may_stem_to(w, keys))
+def _held_stems(words: Iterable[str], keys: tuple[frozenset[str], ...]) -> set[str]:
+    """The index terms of the words that may stem to one starting with `keys` (`_may_stem_to`); the others hold none.
+    Each word is looked at once per query (`_word_stems`): a recall's windows ask of every line, and the same words
+    come back line after line (the filter and the stem cache's lookups were a fifth of a prompt's recall)."""
+    known = _word_stems(keys)  # shared by the reader's thread (a search) and the loop (a prompt's relevance check)
+    got = {word: known.get(word) for word in words}
+    new = [word for word, stems in got.items() if stems is None]
+    if new:
+        stemmed = stemmer().many(word for word in new if _may_stem_to(word, keys))
+        if len(known) + len(new) > WORDS_KNOWN:
+            known.clear()
+        for word in new:
+            got[word] = known[word] = stemmed.get(word, ())
+    held: set[str] = set()
+    for stems in got.values():
+        held.update(stems or ())
+    return held
+
+
+WORDS_KNOWN = 20_000  # per query: each word's index terms, as far as they can be the query's (`_held_stems`)
+
+
+@functools.lru_cache(maxsize=8)
+def _word_stems(keys: tuple[frozenset[str], ...]) -> dict[str, tuple[str, ...]]:
+    """The words looked at for a query's keys so far, with their index terms (`_held_stems`): of the last few queries,
+    at most WORDS_KNOWN words each."""
+    return {}
 
 
 def _prestem(terms: Sequence[str], texts: Iterable[str]) -> None:
@@ -313,7 +337,7 @@ def _prestem(terms: Sequence[str], texts: Iterable[str]) -> None:
     words: set[str] = set()
     for text in texts:
         words.update(text_words(text))
-    _stems_of_those_that_may(words, keys)
+    _held_stems(words, keys)
 
 
 @functools.lru_cache(maxsize=64)
