@@ -229,6 +229,29 @@ def test_words_stemmed_together_are_stemmed_as_one_by_one() -> None:
     assert held_terms("running foo_bar", "the foo bar runs") == frozenset({"running", "foo_bar"})
 
 
+def test_one_stemmer_stems_from_two_threads_at_once() -> None:
+    """A search stems on the reader's thread while a prompt's relevance check stems on the loop, through the one
+    stemmer and its one scratch table: each call still gets exactly its own words' index terms."""
+    import threading
+
+    batches = [[f"{stem}{n}ing {stem}{n}ed" for stem in ("walk", "talk", "jump", "climb")] for n in range(400)]
+    expected = [Stemmer().many(batch) for batch in batches]
+    shared, wrong = Stemmer(), []
+
+    def stem(part: int) -> None:
+        for i in range(part, len(batches), 2):
+            got = shared.many(batches[i])
+            if got != expected[i]:
+                wrong.append((i, got))
+
+    threads = [threading.Thread(target=stem, args=(part,)) for part in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, wrong[:3]
+
+
 def test_held_terms_stems_only_the_words_that_can_hold_a_query_term() -> None:
     """A word is stemmed only when one of its index terms may be a query term's (`_may_stem_to`): never is a word
     skipped that holds one. Checked on the words of the shared transcripts, of the embedding model's vocabulary and
