@@ -115,28 +115,23 @@ class CollectorPauses:
                 "frozen": gc.get_freeze_count()}
 
 
-PAUSES: CollectorPauses | None = None
-
-
-def watch_collector() -> None:
-    """Time this process's collections from now on (`usage`'s `collector`); once."""
-    global PAUSES
-    if PAUSES is None:
-        PAUSES = CollectorPauses()
-        gc.callbacks.append(PAUSES)
+PAUSES: CollectorPauses | None = None  # this process's collections, timed from `freeze_startup` on
 
 
 def freeze_startup() -> None:
     """Collect once, then move every object alive now out of the cyclic collector's sight (`gc.freeze`), and time the
-    collections from then on (`watch_collector`: what runs before the daemon serves, nobody waits for): what startup
+    collections from then on (`PAUSES`: what runs before the daemon serves, nobody waits for): what startup
     made (modules, classes, compiled patterns, the services) lives as long as the process, yet each full collection
     walked it all again. In a catch-up (`bench/hooks.py --background-catchup`) a full collection held the daemon, event
     loop and all, 33-44 ms (3 in 8 minutes): a hook in flight waited for it, the slowest of its kind. With the 47,000
     objects of startup frozen: 5-11 ms (closing note, stop 41). Objects made later are collected as before; a frozen
     one freed by its reference count is freed as before (only a frozen cycle stays: startup's are collected first)."""
+    global PAUSES
     gc.collect()
     gc.freeze()
-    watch_collector()
+    if PAUSES is None:
+        PAUSES = CollectorPauses()
+        gc.callbacks.append(PAUSES)
 
 
 def _heaps() -> int | None:

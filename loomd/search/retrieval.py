@@ -646,11 +646,10 @@ async def search_hits(
     active = resolve_weights(mode, weights)
     knobs = resolve_tuning(tuning)
     where, params = memory_filters(project, scope, kind, since, until, session_id, include_archived)
-    plan = _Search(query, limit, project, where, list(params), active, knobs, window_chars, lead_chars,
-                   ctx.half_life_days, {})
+    plan = _Search(query, limit, project, where, params, active, knobs, window_chars, lead_chars, ctx.half_life_days,
+                   {})
     notes: list[str] = []
-    if "vec" in active and ctx.vectors is None:
-        notes.append("vec: no vectors to search (embedder off)")
+    found: list[tuple[int, float]] | None = None  # the vector signal's hits; None: no vectors to search
     if "vec" not in active or ctx.vectors is None:
         def whole(conn: sqlite3.Connection) -> list[Hit]:
             scored = _signals(ctx, plan, conn)
@@ -676,12 +675,12 @@ async def search_hits(
         finally:
             if not knn.done():
                 knn.cancel()
-        if found is None:
-            state = ctx.vectors.status()
-            why = f"{state['state']}: {state['error']}" if state.get("error") else state["state"]
-            notes.append(f"vec: no vectors to search (embedder {why})")
         scored["vec"] = found or []
         results = await ctx.store.read(functools.partial(_ranked, plan, scored))
+    if "vec" in active and found is None:
+        state = ctx.vectors.status() if ctx.vectors is not None else {"state": "off"}
+        why = f"{state['state']}: {state['error']}" if state.get("error") else state["state"]
+        notes.append(f"vec: no vectors to search (embedder {why})")
     plan.timings["total_ms"] = _ms(started)
     if report is not None:
         report["timings"] = plan.timings

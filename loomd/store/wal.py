@@ -79,21 +79,10 @@ class WalSync:
             with self._lock:
                 self.requested += 1
                 after, number = self.covered, self.requested
-            try:
-                self._sync()
-            except (OSError, RuntimeError) as exc:
-                failed: StorageError | None = StorageError(
-                    f"syncing the database log to disk failed: {exc}; nothing was acknowledged")
-            else:
-                failed = None
-                self.syncs += 1
+            self._sync_covering(after, number)
         finally:
             self._syncing.release()
-        with self._lock:  # with `wait`'s check: a waiter is either covered there or already listed here
-            if failed is None:
-                self.covered = max(self.covered, number)
-            else:
-                self._failed = (after, number, failed)
+        with self._lock:  # after the cover: a waiter is either covered at its check in `wait` or listed by now
             others = bool(self._waiting)
         loop = self._loop
         if others and loop is not None:  # the requests this sync covered too have their waiters on the loop
@@ -163,20 +152,25 @@ class WalSync:
                     after, upto = self.covered, self.requested  # each of these commits ended before the fsync begins
                 if upto <= after:
                     continue  # a sync on a committer's thread covered them (`sync_here`), and told the loop
-                try:
-                    self._sync()
-                except (OSError, RuntimeError) as exc:
-                    with self._lock:
-                        self._failed = (after, upto, StorageError(
-                            f"syncing the database log to disk failed: {exc}; nothing was acknowledged"))
-                else:
-                    self.syncs += 1
-                    with self._lock:
-                        self.covered = max(self.covered, upto)
+                self._sync_covering(after, upto)
             loop = self._loop
             if loop is not None:
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
                     loop.call_soon_threadsafe(self._deliver)
+
+    def _sync_covering(self, after: int, upto: int) -> None:
+        """With `_syncing` held: one fsync for the requests after `after` up to `upto`, recorded as covering them, or
+        as their failure (`wait` raises it)."""
+        try:
+            self._sync()
+        except (OSError, RuntimeError) as exc:
+            with self._lock:
+                self._failed = (after, upto, StorageError(
+                    f"syncing the database log to disk failed: {exc}; nothing was acknowledged"))
+        else:
+            self.syncs += 1
+            with self._lock:
+                self.covered = max(self.covered, upto)
 
     def _deliver(self) -> None:
         """On the loop: resolve the waiters the last syncs covered, fail those of a failed one."""
