@@ -340,11 +340,12 @@ async def test_filters_hold_when_other_projects_crowd_the_fast_paths(client: Asy
 
 
 async def test_full_text_finds_the_same_hits_whichever_way_it_checks_the_filters(
-    client: AsyncClient, daemon: Daemon,
+    client: AsyncClient, daemon: Daemon, home: Path,
 ) -> None:
-    """In a project that holds few of the memories, full text ranks with the filters at once when their share is
-    known (a hybrid search's graph signal counted it), instead of ranking without them and falling back: the same
-    hits, the same scores, whichever way."""
+    """Full text checks a project's filters one of four ways: on the best 2n of the whole index (the share passing
+    unknown, or most), with the ranking (few pass: a hybrid search's graph signal counted them), or, when a handful
+    pass, by looking each of them up (`within`); and it ranks nothing in a project with no memories. The same hits
+    with the same scores, every way, through the search op and called directly."""
     await store_all(client, [f"postgres replication note {i}" for i in range(40)], project="other")
     mine = await store_all(client, ["postgres vacuum settings in loomd/db.py", "vacuum postgres nightly (loomd/db.py)",
                                     "postgres vacuum full on loomd/db.py, then vacuum analyze",
@@ -355,14 +356,55 @@ async def test_full_text_finds_the_same_hits_whichever_way_it_checks_the_filters
     tight, query = {"candidates": 3}, "postgres vacuum loomd/db.py"
     retrieval._TOTALS.clear()
     assert retrieval._counted(ctx, where, params) is None
-    # Ranked without the filters first: this project's memories are the best, among its best 2n.
-    first = await search(client, query, mode="keyword", tuning=tight, limit=3)
+    first = await search(client, query, mode="keyword", tuning=tight, limit=3)  # the project's 4, looked up
     await search(client, query, tuning=tight, limit=3)  # hybrid: the graph signal counts the project's memories
     counted, indexed = retrieval._counted(ctx, where, params), retrieval._counted(ctx, "1", [])
-    assert counted is not None and indexed is not None and 2 * counted < indexed
-    then = await search(client, query, mode="keyword", tuning=tight, limit=3)  # ranked with the filters at once
+    assert counted == 4 and indexed == 44
+    then = await search(client, query, mode="keyword", tuning=tight, limit=3)
     assert len(first) == 3 and set(ids_of(first)) <= set(mine)
     assert [(r["id"], r["explain"]["fts"]) for r in then] == [(r["id"], r["explain"]["fts"]) for r in first]
+
+    from loomd.store.db import connect_sync
+
+    db = connect_sync(home / "loomd.db")
+    try:
+        knobs = retrieval.resolve_tuning(None)
+
+        def ranked(**how: Any) -> list[tuple[int, float]]:
+            return retrieval.fts_signal(db, query, where, params, 3, knobs["ctx_weight"], knobs["fts_budget"], 44,
+                                        **how)
+
+        # More than FTS_WITHIN (ids no memory has pad the list): ranked with the filters, as `passing` says.
+        padded = [*mine, *range(10**6, 10**6 + retrieval.FTS_WITHIN)]
+        ways = {"best 2n, then with the filters": ranked(), "with the filters": ranked(passing=4),
+                "each looked up": ranked(within=mine), "many, ranked with the filters": ranked(within=padded)}
+        assert len(ways["each looked up"]) == 3 and {i for i, _ in ways["each looked up"]} <= set(mine)
+        assert all(found == ways["each looked up"] for found in ways.values()), ways
+        assert ranked(within=[]) == []
+    finally:
+        db.close()
+
+
+async def test_a_project_with_no_memories_yet_finds_its_first_at_once(client: AsyncClient, daemon: Daemon) -> None:
+    """A project's memories are read by index on every search that has few (m013: the filter's `OR scope = 'user'`
+    is indexed too), never remembered: none yet means no hits, not a stale answer once the first arrives. User-scope
+    memories still follow the user into it."""
+    await store_all(client, [f"the flaky websocket test, try {i}" for i in range(10)], project="other")
+    await caught_up(client)
+    seen: list[str] = []
+    await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, seen.append)
+    try:
+        assert await search(client, "flaky websocket test", mode="keyword", project="new") == []
+    finally:
+        await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, None)
+    reads = [sql for sql in seen if sql.startswith("SELECT m.id FROM memories m WHERE")]
+    assert len(reads) == 1, seen
+    plan = [r[3] for r in await daemon.store.fetchall("EXPLAIN QUERY PLAN " + reads[0])]
+    assert any("memories_user_scope" in step for step in plan) and not any(s.startswith("SCAN") for s in plan), plan
+    ids = await store_all(client, ["the websocket test is flaky under load"], project="new")
+    assert ids_of(await search(client, "flaky websocket test", mode="keyword", project="new")) == ids
+    user = (await client.call("store", text="flaky tests get a retry, never a skip", scope="user"))["id"]
+    assert set(ids_of(await search(client, "flaky websocket test", mode="keyword", project="new"))) == {*ids, user}
 
 
 async def test_recurrence_follows_a_changed_text(client: AsyncClient, daemon: Daemon) -> None:
