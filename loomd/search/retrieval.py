@@ -295,9 +295,9 @@ def held_terms(query: str | Sequence[str], text: str) -> frozenset[str]:
         keys = _stem_keys(held)
         maybe = [t for t in terms if _may_stem_to(t, keys) or not any(c.isalnum() for c in t)]
         return frozenset(term for term, own in stemmer().many(maybe).items() if set(own) <= held)
-    stems, keys = _query_stems(tuple(terms))
+    stems, keys, bare = _query_stems(tuple(terms))
     held = _held_stems(words, keys)
-    return frozenset(term for term, own in stems if own <= held)
+    return frozenset(term for term, own in stems if own <= held) if held else bare
 
 
 def _held_stems(words: Iterable[str], keys: tuple[frozenset[str], ...]) -> set[str]:
@@ -305,17 +305,21 @@ def _held_stems(words: Iterable[str], keys: tuple[frozenset[str], ...]) -> set[s
     Each word is looked at once per query (`_word_stems`): a recall's windows ask of every line, and the same words
     come back line after line (the filter and the stem cache's lookups were a fifth of a prompt's recall)."""
     known = _word_stems(keys)  # shared by the reader's thread (a search) and the loop (a prompt's relevance check)
-    got = {word: known.get(word) for word in words}
-    new = [word for word, stems in got.items() if stems is None]
+    held: set[str] = set()
+    new: list[str] = []
+    for word in words:  # one lookup a word: most hold none of the query's terms (an empty tuple)
+        stems = known.get(word)
+        if stems is None:
+            new.append(word)
+        elif stems:
+            held.update(stems)
     if new:
         stemmed = stemmer().many(word for word in new if _may_stem_to(word, keys))
         if len(known) + len(new) > WORDS_KNOWN:
             known.clear()
         for word in new:
-            got[word] = known[word] = stemmed.get(word, ())
-    held: set[str] = set()
-    for stems in got.values():
-        held.update(stems or ())
+            known[word] = stems = stemmed.get(word, ())
+            held.update(stems)
     return held
 
 
@@ -333,7 +337,7 @@ def _prestem(terms: Sequence[str], texts: Iterable[str]) -> None:
     """Stem at once the words of `texts` that `held_terms(terms, text)` will stem: its calls find them cached."""
     if not terms:
         return
-    _, keys = _query_stems(tuple(terms))
+    _, keys, _ = _query_stems(tuple(terms))
     words: set[str] = set()
     for text in texts:
         words.update(text_words(text))
@@ -341,11 +345,14 @@ def _prestem(terms: Sequence[str], texts: Iterable[str]) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _query_stems(terms: tuple[str, ...]) -> tuple[tuple[tuple[str, frozenset[str]], ...], tuple[frozenset[str], ...]]:
-    """Each term with its index terms, and their keys (`_stem_keys`): a search asks `held_terms` of every line of its
-    hits' windows with the same terms."""
+def _query_stems(
+    terms: tuple[str, ...],
+) -> tuple[tuple[tuple[str, frozenset[str]], ...], tuple[frozenset[str], ...], frozenset[str]]:
+    """Each term with its index terms, their keys (`_stem_keys`), and the terms with none (held by any text): a
+    search asks `held_terms` of every line of its hits' windows with the same terms."""
     stems = stemmer().many(terms)
-    return tuple((t, frozenset(stems[t])) for t in terms), _stem_keys(t for own in stems.values() for t in own)
+    return (tuple((t, frozenset(stems[t])) for t in terms), _stem_keys(t for own in stems.values() for t in own),
+            frozenset(t for t in terms if not stems[t]))
 
 
 # What the porter stemmer keeps of a word: each of its parts (unicode61 splits at every character that is not a letter
