@@ -144,8 +144,9 @@ def memory_filters(
     clauses: list[str] = []
     params: list[Any] = []
     if project:
-        # User-scope memories follow the user into every project.
-        clauses.append("(m.project = ? OR m.scope = 'user')")
+        # User-scope memories follow the user into every project. `+` keeps the OR out of the indexes: with both of
+        # its sides indexed (m013), SQLite would read a whole project to check a list of ids against it.
+        clauses.append("(m.project = ? OR +m.scope = 'user')")
         params.append(project)
     if scope:
         clauses.append("m.scope = ?")
@@ -557,9 +558,9 @@ def _counted(ctx: SearchContext, where: str, params: Sequence[Any]) -> int | Non
     return cached[2] if cached is not None else None
 
 
-# A project's filters passing at most FEW_PASSING memories: they are read whenever searched (at most that many rows,
-# by index: m013); passing more, they are taken to pass many for MANY_TTL_S, unread. At most FTS_WITHIN passing,
-# full text looks up each of them instead of ranking its matches.
+# A project holding at most FEW_PASSING memories (live or archived): those passing the filters are read whenever
+# searched (at most that many rows, by index); holding more, it is taken to hold many for MANY_TTL_S, unread. At most
+# FTS_WITHIN passing, full text looks up each of them instead of ranking its matches.
 FEW_PASSING = 200
 FTS_WITHIN = 8
 MANY_TTL_S = 60.0
@@ -567,19 +568,28 @@ _MANY: dict[tuple[int, str, str], float] = {}
 
 
 def _passing_ids(
-    ctx: SearchContext, conn: sqlite3.Connection, where: str, params: Sequence[Any], counted: int | None,
+    ctx: SearchContext, conn: sqlite3.Connection, project: str, where: str, params: Sequence[Any],
+    counted: int | None,
 ) -> list[int] | None:
-    """The memories that pass a project's filters, read now, or None: more than FEW_PASSING (as `counted`, the last
-    count, says, or a read within MANY_TTL_S). Read now, not cached, so that a project with no memories, or a
-    handful, never ranks the full-text matches of the whole index (a prompt's: 3-20 ms at 8k memories)."""
+    """The memories that pass a project's filters, read now, or None: the project holds more than FEW_PASSING (as
+    `counted`, the last count, says, or a read within MANY_TTL_S). Read now, not cached, so that a project with no
+    memories, or a handful, never ranks the full-text matches of the whole index (a prompt's: 3-20 ms at 8k).
+
+    At most FEW_PASSING + 1 of the project's rows are read (its archived ones count: a project GC has mostly
+    archived is read no further), and the user-scope memories by their index (m013)."""
     key = _total_key(ctx, where, params)
     many = _MANY.get(key)
     if (counted is not None and counted > FEW_PASSING) or (many is not None and time.monotonic() - many < MANY_TTL_S):
         return None
-    ids = [r[0] for r in conn.execute(f"SELECT m.id FROM memories m WHERE {where} LIMIT ?",
-                                      [*params, FEW_PASSING + 1]).fetchall()]
-    if len(ids) <= FEW_PASSING:
-        return ids
+    rows = conn.execute(f"SELECT m.id, {where} FROM memories m WHERE m.project = ? LIMIT ?",
+                        [*params, project, FEW_PASSING + 1]).fetchall()
+    ids = [r[0] for r in rows if r[1]]
+    if len(rows) <= FEW_PASSING:
+        ids += [r[0] for r in conn.execute(
+            f"SELECT m.id FROM memories m WHERE m.scope = 'user' AND m.project != ? AND {where} LIMIT ?",
+            [project, *params, FEW_PASSING + 1 - len(ids)]).fetchall()]
+        if len(ids) <= FEW_PASSING:
+            return sorted(ids)
     if len(_MANY) > 1000:
         _MANY.clear()
     _MANY[key] = time.monotonic()
@@ -749,7 +759,8 @@ def _signals(ctx: SearchContext, plan: _Search, conn: sqlite3.Connection) -> dic
     if "fts" in plan.active:
         t = time.perf_counter()
         indexed, passing = _total(ctx, conn, "1", ()), _counted(ctx, plan.where, plan.params)
-        within = _passing_ids(ctx, conn, plan.where, plan.params, passing) if plan.few_by_index else None
+        within = _passing_ids(ctx, conn, plan.project, plan.where, plan.params, passing) \
+            if plan.few_by_index and plan.project else None
         scored["fts"] = fts_signal(conn, plan.query, plan.where, plan.params, n, knobs["ctx_weight"],
                                    knobs["fts_budget"], indexed, passing, within)
         plan.timings["fts_ms"] = _ms(t)

@@ -405,9 +405,8 @@ def m012_gc_indexes(db: sqlite3.Connection) -> None:
 
 @migration
 def m013_user_scope_index(db: sqlite3.Connection) -> None:
-    """The user-scope memories by an index of their own, so that a project's filter (`m.project = ? OR m.scope =
-    'user'`, user-scope memories following the user into every project) is read by index, not by reading every
-    memory: with both terms indexed SQLite takes each by its index (a multi-index OR). A prompt's recall first asks
-    how many memories its project holds (`retrieval._passing_ids`): in a project with none, 8 ms at 8k memories
-    read in full, 0.02 ms by index."""
+    """The user-scope memories by an index of their own: a search first reads its project's memories when they are
+    few (`retrieval._passing_ids`), those of the project by the project's indexes and the user-scope ones (which
+    follow the user into every project) by this one, not by reading every memory (8 ms at 8k memories; 0.02 ms for
+    a project with none). The project filter's own `OR +m.scope = 'user'` stays out of it (`memory_filters`)."""
     db.execute("CREATE INDEX IF NOT EXISTS memories_user_scope ON memories(scope) WHERE scope = 'user'")
