@@ -685,9 +685,6 @@ class _Search:
     lead_chars: int
     half_life_days: float
     timings: dict[str, float]
-    # A project's filters with nothing unindexed beside (a time range would read every memory of a big project to
-    # find the few that pass): `_passing_ids` may read the memories that pass.
-    few_by_index: bool = False
 
 
 async def search_hits(
@@ -709,7 +706,7 @@ async def search_hits(
     knobs = resolve_tuning(tuning)
     where, params = memory_filters(project, scope, kind, since, until, session_id, include_archived)
     plan = _Search(query, limit, project, where, params, active, knobs, window_chars, lead_chars, ctx.half_life_days,
-                   {}, bool(project) and since is None and until is None)
+                   {})
     notes: list[str] = []
     found: list[tuple[int, float]] | None = None  # the vector signal's hits; None: no vectors to search
     if "vec" not in active or ctx.vectors is None:
@@ -759,8 +756,7 @@ def _signals(ctx: SearchContext, plan: _Search, conn: sqlite3.Connection) -> dic
     if "fts" in plan.active:
         t = time.perf_counter()
         indexed, passing = _total(ctx, conn, "1", ()), _counted(ctx, plan.where, plan.params)
-        within = _passing_ids(ctx, conn, plan.project, plan.where, plan.params, passing) \
-            if plan.few_by_index and plan.project else None
+        within = _passing_ids(ctx, conn, plan.project, plan.where, plan.params, passing) if plan.project else None
         scored["fts"] = fts_signal(conn, plan.query, plan.where, plan.params, n, knobs["ctx_weight"],
                                    knobs["fts_budget"], indexed, passing, within)
         plan.timings["fts_ms"] = _ms(t)
