@@ -342,10 +342,11 @@ async def test_filters_hold_when_other_projects_crowd_the_fast_paths(client: Asy
 async def test_full_text_finds_the_same_hits_whichever_way_it_checks_the_filters(
     client: AsyncClient, daemon: Daemon, home: Path,
 ) -> None:
-    """Full text checks a project's filters one of four ways: on the best 2n of the whole index (the share passing
-    unknown, or most), with the ranking (few pass: a hybrid search's graph signal counted them), or, when a handful
-    pass, by looking each of them up (`within`); and it ranks nothing in a project with no memories. The same hits
-    with the same scores, every way, through the search op and called directly."""
+    """Full text checks a project's filters one of three ways: on the best 2n of the whole index (the share passing
+    unknown, or most), with the ranking (few pass: a hybrid search's graph signal counted them), or, when the few that
+    pass were read (`within`), on each match as the index yields it, scoring only them; and it ranks nothing in a
+    project with no memories. The same hits with the same scores, every way, through the search op and called
+    directly."""
     await store_all(client, [f"postgres replication note {i}" for i in range(40)], project="other")
     mine = await store_all(client, ["postgres vacuum settings in loomd/db.py", "vacuum postgres nightly (loomd/db.py)",
                                     "postgres vacuum full on loomd/db.py, then vacuum analyze",
@@ -356,7 +357,7 @@ async def test_full_text_finds_the_same_hits_whichever_way_it_checks_the_filters
     tight, query = {"candidates": 3}, "postgres vacuum loomd/db.py"
     retrieval._TOTALS.clear()
     assert retrieval._counted(ctx, where, params) is None
-    first = await search(client, query, mode="keyword", tuning=tight, limit=3)  # the project's 4, looked up
+    first = await search(client, query, mode="keyword", tuning=tight, limit=3)  # the project's 4, read first
     await search(client, query, tuning=tight, limit=3)  # hybrid: the graph signal counts the project's memories
     counted, indexed = retrieval._counted(ctx, where, params), retrieval._counted(ctx, "1", [])
     assert counted == 4 and indexed == 44
@@ -374,12 +375,19 @@ async def test_full_text_finds_the_same_hits_whichever_way_it_checks_the_filters
             return retrieval.fts_signal(db, query, where, params, 3, knobs["ctx_weight"], knobs["fts_budget"], 44,
                                         **how)
 
-        # More than FTS_WITHIN (ids no memory has pad the list): ranked with the filters, as `passing` says.
-        padded = [*mine, *range(10**6, 10**6 + retrieval.FTS_WITHIN)]
+        statements: list[str] = []
+        db.set_trace_callback(statements.append)
+        among = ranked(within=mine)
+        db.set_trace_callback(None)
+        # Ids no memory has in the list change nothing: only matches are checked against it.
         ways = {"best 2n, then with the filters": ranked(), "with the filters": ranked(passing=4),
-                "each looked up": ranked(within=mine), "many, ranked with the filters": ranked(within=padded)}
-        assert len(ways["each looked up"]) == 3 and {i for i, _ in ways["each looked up"]} <= set(mine)
-        assert all(found == ways["each looked up"] for found in ways.values()), ways
+                "among the few": among, "among the few and others": ranked(within=[*mine, *range(10**6, 10**6 + 50)])}
+        assert len(among) == 3 and {i for i, _ in among} <= set(mine)
+        assert all(found == among for found in ways.values()), ways
+        # The few are a filter on the matches, not a lookup of each in the index (FTS5's plan says "=" for that).
+        scored = next(sql for sql in statements if "MATCH" in sql)
+        plan = [r[3] for r in db.execute("EXPLAIN QUERY PLAN " + scored)]
+        assert any(step.startswith("SCAN memories_fts VIRTUAL TABLE INDEX 0:M") for step in plan), plan
         assert ranked(within=[]) == []
     finally:
         db.close()
