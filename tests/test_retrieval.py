@@ -425,6 +425,29 @@ async def test_a_project_with_no_memories_yet_finds_its_first_at_once(client: As
     assert set(ids_of(await search(client, "flaky websocket test", mode="keyword", project="new"))) == {*ids, user}
 
 
+async def test_a_search_stops_at_the_last_hit_its_caller_may_show(client: AsyncClient, daemon: Daemon) -> None:
+    """`shows` (a prompt's keyword recall: only its best few keyword hits may be shown) cuts the hits after the last
+    one the caller may show: none past it is windowed or returned, and those before it are shown as without it."""
+    await store_all(client, [f"the flaky websocket test failed on CI again, run {i}: {word}" for i, word in
+                             enumerate(["timeout", "reconnect", "ECONNRESET", "port in use", "slow runner",
+                                        "retry", "flaky", "deadline"])])
+    await caught_up(client)
+    args: dict[str, Any] = {"query": "websocket test failed on CI timeout reconnect", "limit": 12, "project": "p",
+                            "weights": {"vec": 0, "graph": 0}}
+    ctx = daemon.retrieval_context()
+    whole = await retrieval.search_hits(ctx, **args)
+
+    def best_two(hit: retrieval.Hit) -> bool:
+        return hit.signals["fts"].rank <= 2
+
+    cut = await retrieval.search_hits(ctx, **args, shows=best_two)
+    last = max(i for i, hit in enumerate(whole) if best_two(hit))
+    assert last + 1 < len(whole) == 8, [(h.memory["id"], h.signals["fts"].rank) for h in whole]
+    assert [(h.memory["id"], h.memory["text"]) for h in cut] == [(h.memory["id"], h.memory["text"])
+                                                                  for h in whole[: last + 1]]
+    assert await retrieval.search_hits(ctx, **args, shows=lambda hit: False) == []
+
+
 async def test_recurrence_follows_a_changed_text(client: AsyncClient, daemon: Daemon) -> None:
     ids = []
     for session in ("a", "b", "c"):

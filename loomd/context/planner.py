@@ -16,7 +16,7 @@ from typing import Any
 import aiosqlite
 
 from loomd.config import Config
-from loomd.context.relevance import asks_memory, recalled
+from loomd.context.relevance import asks_memory, keyword_candidate, recalled
 from loomd.context.render import (
     START_GROUPS,
     Line,
@@ -268,7 +268,8 @@ class Planner:
         this at ~3 ms with 100k memories."""
         # A session's last steps (`ENDING_ASKED`) are left to search: with no word of the prompt in them, they
         # would take the block's first lines (coding QA dev set: recall .53 -> .52 with them).
-        keyword = {"weights": {"vec": 0, "graph": 0}, "tuning": {"fts_budget": PROMPT_FTS_BUDGET, "ending": 0}}
+        keyword = {"weights": {"vec": 0, "graph": 0}, "tuning": {"fts_budget": PROMPT_FTS_BUDGET, "ending": 0},
+                   "shows": keyword_candidate}
         cfg = self.config()
         room = recall_room(cfg.prompt_block_chars, cfg.prompt_block_lines)  # every line its share, the first too
         hits = await self.search(query=prompt[:2000], limit=12, project=project, window_chars=room, lead_chars=room,

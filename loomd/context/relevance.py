@@ -99,7 +99,7 @@ def relevant(hit: Hit, min_score: float, prompt: str) -> bool:
         return True
     if vec is not None:
         return vec.score >= min_score or (fts is not None and vec.score >= min_score - 0.15)
-    if fts is None or fts.rank > KEYWORD_TOP:
+    if not keyword_candidate(hit):
         return False
     text = hit.memory["text"]
     if prompt_entities(prompt) & {name for name, _ in extract_entities(text)}:
@@ -123,6 +123,15 @@ def recalled(hits: list[Hit], min_score: float, prompt: str) -> list[Hit]:
     if not any(shown) or not any("vec" in h.signals for h in hits):
         return [h for h, ok in zip(hits, shown, strict=True) if ok]
     return [h for h, ok in zip(hits, shown, strict=True) if ok or _by_words(h)]
+
+
+def keyword_candidate(hit: Hit) -> bool:
+    """Whether a hit without a cosine may be shown at all (`relevant`), by its signals alone: the user's words around
+    the work asked about, or one of the best `KEYWORD_TOP` keyword hits. A keyword recall's search windows no hit
+    past the last of these (`search_hits`' `shows`): on the hook path, the windows of the hits it would drop cost
+    as much as those it shows."""
+    fts = hit.signals.get("fts")
+    return "voice" in hit.signals or (fts is not None and fts.rank <= KEYWORD_TOP)
 
 
 def _by_words(hit: Hit) -> bool:

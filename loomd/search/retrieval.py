@@ -684,6 +684,7 @@ class _Search:
     lead_chars: int
     half_life_days: float
     timings: dict[str, float]
+    shows: Callable[[Hit], bool] | None = None
 
 
 async def search_hits(
@@ -692,9 +693,11 @@ async def search_hits(
     until: float | None = None, session_id: str | None = None, include_archived: bool = False,
     weights: Mapping[str, Any] | None = None, tuning: Mapping[str, Any] | None = None,
     report: dict[str, Any] | None = None, window_chars: int = WINDOW_CHARS, lead_chars: int = LEAD_CHARS,
+    shows: Callable[[Hit], bool] | None = None,
 ) -> list[Hit]:
     """Fused search. `report`, when given, receives per-stage timings (ms) and notes on signals that could not run;
-    an evidence hit shows at most `window_chars` of its step (`search/windows.py`), the first hit `lead_chars`.
+    an evidence hit shows at most `window_chars` of its step (`search/windows.py`), the first hit `lead_chars`;
+    `shows`, the hits the caller may show at all (`_show_windows`).
 
     Its reads run on the reader's thread in two trips (`Store.read`): the keyword and graph signals while the query
     is embedded, then the fusion and what the hits show; in one trip when there is no vector search to wait for (a
@@ -705,7 +708,7 @@ async def search_hits(
     knobs = resolve_tuning(tuning)
     where, params = memory_filters(project, scope, kind, since, until, session_id, include_archived)
     plan = _Search(query, limit, project, where, params, active, knobs, window_chars, lead_chars, ctx.half_life_days,
-                   {})
+                   {}, shows)
     notes: list[str] = []
     found: list[tuple[int, float]] | None = None  # the vector signal's hits; None: no vectors to search
     if "vec" not in active or ctx.vectors is None:
@@ -887,7 +890,7 @@ def _ranked(plan: _Search, scored: dict[str, list[tuple[int, float]]], conn: sql
         else:
             holder.memory.setdefault("collapsed", []).append(memory_id)
     results = _show_windows(conn, results, {i: by_id[i]["meta"] for i in by_id}, sources, plan.query, plan.window_chars,
-                            max(plan.lead_chars, plan.window_chars), plan.limit, plan.knobs["repeated"])
+                            max(plan.lead_chars, plan.window_chars), plan.limit, plan.knobs["repeated"], plan.shows)
     plan.timings["fuse_ms"] = _ms(t)
     return results
 
@@ -936,41 +939,60 @@ def _ms(started: float) -> float:
 
 def _show_windows(conn: sqlite3.Connection, hits: Sequence[Hit], metas: Mapping[int, Any],
                   sources: Mapping[int, tuple[int, ...]], query: str, budget: int, lead: int,
-                  limit: int, repeated: float = REPEATED) -> list[Hit]:
+                  limit: int, repeated: float = REPEATED, shows: Callable[[Hit], bool] | None = None) -> list[Hit]:
     """The first `limit` hits as shown: each evidence hit shows the windows of its whole step that match the query
     (`search/windows.py`), the first hit `lead` characters of them, the others `budget`. A hit that shows nearly the
     words of one shown before it (two steps that repeat one commit message, one summary: `_repeats`) takes no
-    slot: it is collapsed into that one, and the next hit moves up."""
+    slot: it is collapsed into that one, and the next hit moves up.
+
+    `shows`: which hits the caller may show at all, by their signals (a prompt's keyword recall: its best few keyword
+    hits); the hits past the last of those are neither windowed nor returned. Each hit is shown as it would be
+    without it: what a hit shows depends only on the hits before it."""
+    if shows is not None:
+        hits = hits[: max((i + 1 for i, hit in enumerate(hits) if shows(hit)), default=0)]
     terms = query_terms(query)  # once, not per line
 
     def holds(line: str) -> frozenset[str]:
         return held_terms(terms, line)
 
-    # What a user's ask led to: the turn's answer, shown with the ask (`_answers`).
-    answers = _answers(conn, [(hit.memory["session_id"], sources[hit.memory["id"]][-1]) for hit in hits
-                               if "goal" in hit.memory["tags"] and sources.get(hit.memory["id"])])
-    # The steps every hit may show, in one read: an evidence hit's own step, an observation's source steps.
-    wanted = {e for hit in hits if hit.memory["kind"] in ("evidence", "observation")
-              for e in sources.get(hit.memory["id"], ())[:1 if hit.memory["kind"] == "evidence" else MAX_SOURCE_STEPS]}
-    # What an announcement ("…but let me check the specific test to understand:") led to: the agent's next message,
-    # what the check found (coding QA dev set: templar-ci-08 8 -> 3, all@5 .74 -> .75, recall .53 -> .54).
-    leads = {hit.memory["id"]: start for hit in hits if (start := _leads_on(hit, metas, sources)) is not None}
-    sessions = {hit.memory["id"]: hit.memory["session_id"] for hit in hits}
-    outcomes = _outcomes(conn, [(sessions[i], start) for i, start in leads.items()]) if leads else {}
-    steps = _steps(conn, sorted(wanted | set(answers.values()) | {e for o in outcomes.values() for e in o})) \
-        if wanted else {}
-    # Every word the windows may ask `holds` about, stemmed in one call: line by line, a call each cost ~40 µs however
-    # few its new words (a prompt's windows 8-10 ms after a catch-up).
-    _prestem(terms, (line for _, lines in steps.values() for line in lines))
-    # A message that announces again ("Let me check if there's a specific test…:") leads on to the next one.
-    for said_first, chain in outcomes.items():
-        ends = [i for i, said in enumerate(chain) if not _announces(steps, said)]
-        outcomes[said_first] = chain[: ends[0] + 1] if ends else chain
+    answers: dict[int, int] = {}
+    leads: dict[int, int] = {}
+    outcomes: dict[int, tuple[int, ...]] = {}
+    steps: dict[tuple[int, str], tuple[int, list[str]]] = {}
+
+    def read_for(batch: Sequence[Hit]) -> None:
+        """What the hits of `batch` may show, in a few reads for them all."""
+        # What a user's ask led to: the turn's answer, shown with the ask (`_answers`).
+        asked = _answers(conn, [(hit.memory["session_id"], sources[hit.memory["id"]][-1]) for hit in batch
+                                if "goal" in hit.memory["tags"] and sources.get(hit.memory["id"])])
+        answers.update(asked)
+        # The steps every hit may show, in one read: an evidence hit's own step, an observation's source steps.
+        wanted = {e for hit in batch if hit.memory["kind"] in ("evidence", "observation") for e in
+                  sources.get(hit.memory["id"], ())[:1 if hit.memory["kind"] == "evidence" else MAX_SOURCE_STEPS]}
+        # What an announcement ("…but let me check the specific test to understand:") led to: the agent's next
+        # message, what the check found (coding QA dev set: templar-ci-08 8 -> 3, all@5 .74 -> .75, recall .53 -> .54).
+        led = {hit.memory["id"]: start for hit in batch if (start := _leads_on(hit, metas, sources)) is not None}
+        leads.update(led)
+        sessions = {hit.memory["id"]: hit.memory["session_id"] for hit in batch}
+        found = _outcomes(conn, [(sessions[i], start) for i, start in led.items()]) if led else {}
+        needed = wanted | set(asked.values()) | {e for o in found.values() for e in o}
+        read = _steps(conn, sorted(needed)) if needed else {}
+        steps.update(read)
+        # Every word the windows may ask `holds` about, stemmed in one call: line by line, a call each cost ~40 µs
+        # however few its new words (a prompt's windows 8-10 ms after a catch-up).
+        _prestem(terms, (line for _, lines in read.values() for line in lines))
+        # A message that announces again ("Let me check if there's a specific test…:") leads on to the next one.
+        for said_first, chain in found.items():
+            ends = [i for i, said in enumerate(chain) if not _announces(steps, said)]
+            outcomes[said_first] = chain[: ends[0] + 1] if ends else chain
+
     shown: list[tuple[Hit, frozenset[str]]] = []
     cited: set[int] = set()  # the source events of the hits shown so far and of those collapsed into them
-    for hit in hits:
+    for index, hit in enumerate(hits):
         if len(shown) == limit:
             break
+        if index in (0, limit):  # the hits past the first `limit` are read for only when some collapse
+            read_for(hits[index : limit if not index else None])
         memory_id = hit.memory["id"]
         head = passage_head(metas.get(memory_id)) if hit.memory["kind"] == "evidence" else None
         events = sources.get(memory_id, ())
@@ -989,8 +1011,8 @@ def _show_windows(conn: sqlite3.Connection, hits: Sequence[Hit], metas: Mapping[
             # An answer a hit above stands for already (its report, shown or collapsed into one) is not shown twice.
             # A failed run's note: what the agent said next, whatever it went on to announce.
             after = (answer,) if answer is not None and answer not in cited else outcome[:1]
-            shows = (*events[:MAX_SOURCE_STEPS], *after)
-            hit.memory["text"] = _with_source_lines(own, shows, steps, holds, room)
+            shown_steps = (*events[:MAX_SOURCE_STEPS], *after)
+            hit.memory["text"] = _with_source_lines(own, shown_steps, steps, holds, room)
         words = text_terms(hit.memory["text"])
         # An observation repeats a hit shown above it by what it says itself, not by the lines of its step it shows.
         says = _wordy(text_terms(own) if own is not hit.memory["text"] else words)
