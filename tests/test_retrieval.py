@@ -425,6 +425,38 @@ async def test_a_project_with_no_memories_yet_finds_its_first_at_once(client: As
     assert set(ids_of(await search(client, "flaky websocket test", mode="keyword", project="new"))) == {*ids, user}
 
 
+async def test_a_project_holding_many_is_counted_by_index_and_ranked_with_its_filters(
+    client: AsyncClient, daemon: Daemon, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A project holding more than FEW_PASSING memories is not read, but its rows are counted by index, up to half
+    the index: full text then knows few of the index pass, and ranks with the filters at once. The same hits as when
+    its few memories were read first."""
+    mine = await store_all(client, [f"the nightly vacuum of postgres took {i} minutes" for i in range(5)])
+    await store_all(client, [f"postgres vacuum note {i}" for i in range(20)], project="other")
+    await caught_up(client)
+    query, ctx = "postgres vacuum minutes", daemon.retrieval_context()
+    read_first = await search(client, query, mode="keyword", tuning={"candidates": 3}, limit=3)
+    monkeypatch.setattr(retrieval, "FEW_PASSING", 3)
+    retrieval._MANY.clear()
+    retrieval._TOTALS.clear()
+    counts: list[str] = []
+    await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, counts.append)
+    try:
+        counted = await search(client, query, mode="keyword", tuning={"candidates": 3}, limit=3)
+    finally:
+        await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, None)
+    where, params = memory_filters("p", None, None, None, None, None, False)
+    assert retrieval._many_passing(ctx, where, params) == 5
+    assert [(r["id"], r["explain"]["fts"]) for r in counted] == [(r["id"], r["explain"]["fts"]) for r in read_first]
+    assert {r["id"] for r in counted} <= set(mine)
+    count = next(sql for sql in counts if "LIMIT" in sql and "count(*)" in sql)
+    plan = [r[3] for r in await daemon.store.fetchall("EXPLAIN QUERY PLAN " + count)]
+    assert not any(step.startswith("SCAN m") for step in plan), plan  # the memories themselves are not read
+    assert sum("USING COVERING INDEX" in step for step in plan) == 2, plan
+    # Ranked with the filters (under half the index passes), not the best 2n of the whole index first.
+    assert not any("EXISTS (SELECT 1 FROM memories m WHERE m.id = r.id" in sql for sql in counts), counts
+
+
 async def test_a_search_stops_at_the_last_hit_its_caller_may_show(client: AsyncClient, daemon: Daemon) -> None:
     """`shows` (a prompt's keyword recall: only its best few keyword hits may be shown) cuts the hits after the last
     one the caller may show: none past it is windowed or returned, and those before it are shown as without it."""

@@ -560,25 +560,26 @@ def _counted(ctx: SearchContext, where: str, params: Sequence[Any]) -> int | Non
 
 # A project holding at most FEW_PASSING memories (live or archived): those passing the filters are read whenever
 # searched (at most that many rows, by index), and full text scores only them; holding more, it is taken to hold many
-# for MANY_TTL_S, unread.
+# for MANY_TTL_S, unread, and its rows are counted by index (`_rows_at_most`).
 FEW_PASSING = 200
 MANY_TTL_S = 60.0
-_MANY: dict[tuple[int, str, str], float] = {}
+_MANY: dict[tuple[int, str, str], tuple[float, int]] = {}
 
 
 def _passing_ids(
     ctx: SearchContext, conn: sqlite3.Connection, project: str, where: str, params: Sequence[Any],
-    counted: int | None,
+    counted: int | None, indexed: int,
 ) -> list[int] | None:
     """The memories that pass a project's filters, read now, or None: the project holds more than FEW_PASSING (as
     `counted`, the last count, says, or a read within MANY_TTL_S). Read now, not cached, so that a project with no
     memories, or a handful, never ranks the full-text matches of the whole index (a prompt's: 3-20 ms at 8k).
 
     At most FEW_PASSING + 1 of the project's rows are read (its archived ones count: a project GC has mostly
-    archived is read no further), and the user-scope memories by their index (m013)."""
+    archived is read no further), and the user-scope memories by their index (m013). Holding more, its rows are
+    counted (`_rows_at_most`) for `_many_passing`."""
     key = _total_key(ctx, where, params)
     many = _MANY.get(key)
-    if (counted is not None and counted > FEW_PASSING) or (many is not None and time.monotonic() - many < MANY_TTL_S):
+    if (counted is not None and counted > FEW_PASSING) or (many and time.monotonic() - many[0] < MANY_TTL_S):
         return None
     rows = conn.execute(f"SELECT m.id, {where} FROM memories m WHERE m.project = ? LIMIT ?",
                         [*params, project, FEW_PASSING + 1]).fetchall()
@@ -591,8 +592,24 @@ def _passing_ids(
             return sorted(ids)
     if len(_MANY) > 1000:
         _MANY.clear()
-    _MANY[key] = time.monotonic()
+    _MANY[key] = (time.monotonic(), _rows_at_most(conn, project, indexed // 2 + 1))
     return None
+
+
+def _rows_at_most(conn: sqlite3.Connection, project: str, bound: int) -> int:
+    """The project's memories and the user-scope ones (archived or not), counted by index up to `bound` each."""
+    row = conn.execute("SELECT (SELECT count(*) FROM (SELECT 1 FROM memories m WHERE m.project = ?1 LIMIT ?2)) +"
+                       " (SELECT count(*) FROM (SELECT 1 FROM memories m WHERE m.scope = 'user' LIMIT ?2))",
+                       [project, bound]).fetchone()
+    return int(row[0])
+
+
+def _many_passing(ctx: SearchContext, where: str, params: Sequence[Any]) -> int | None:
+    """At most about how many memories pass a project's filters when it holds many (`_passing_ids`), or None: full
+    text ranks with the filters at once when that is under half the index, where the best 2n of the whole index
+    seldom hold n of them (an unknown share: both, one after the other, 3.7 ms for a long prompt at 8k, not 1.8)."""
+    many = _MANY.get(_total_key(ctx, where, params))
+    return many[1] if many is not None else None
 
 
 def _total_key(ctx: SearchContext, where: str, params: Sequence[Any]) -> tuple[int, str, str]:
@@ -758,7 +775,10 @@ def _signals(ctx: SearchContext, plan: _Search, conn: sqlite3.Connection) -> dic
     if "fts" in plan.active:
         t = time.perf_counter()
         indexed, passing = _total(ctx, conn, "1", ()), _counted(ctx, plan.where, plan.params)
-        within = _passing_ids(ctx, conn, plan.project, plan.where, plan.params, passing) if plan.project else None
+        within = _passing_ids(ctx, conn, plan.project, plan.where, plan.params, passing, indexed) \
+            if plan.project else None
+        if passing is None and within is None and plan.project:
+            passing = _many_passing(ctx, plan.where, plan.params)
         scored["fts"] = fts_signal(conn, plan.query, plan.where, plan.params, n, knobs["ctx_weight"],
                                    knobs["fts_budget"], indexed, passing, within)
         plan.timings["fts_ms"] = _ms(t)
@@ -1146,8 +1166,14 @@ def _wordy(terms: frozenset[str]) -> frozenset[str]:
 
 
 def _near(a: frozenset[str], b: frozenset[str]) -> bool:
-    """Two texts that say nearly the same words (Jaccard over their terms)."""
-    return bool(a) and bool(b) and len(a & b) >= NEAR_DUPLICATE * len(a | b)
+    """Two texts that say nearly the same words (Jaccard over their terms). Each evidence candidate of a search is
+    asked of every one kept before it: sizes too far apart to be near (Jaccard is at most the smaller over the
+    larger) are not intersected, and the union is counted, not built (a long prompt's recall: 1.2 ms of ~12)."""
+    small, large = sorted((len(a), len(b)))
+    if not small or small < NEAR_DUPLICATE * large:
+        return False
+    shared = len(a & b)
+    return shared >= NEAR_DUPLICATE * (small + large - shared)
 
 
 def _rows(conn: sqlite3.Connection, ids: Sequence[int]) -> dict[int, Any]:
