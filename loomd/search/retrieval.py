@@ -493,8 +493,8 @@ def fts_signal(
     indexed: int, passing: int | None = None, within: Sequence[int] | None = None,
 ) -> list[tuple[int, float]]:
     """BM25 over text, tags and the neighbours' column (weighted ctx_weight; 0 leaves the column out). `passing`: about
-    how many of the `indexed` memories pass the filters (`_counted`), or None; `within`: every memory that passes
-    them, when they are few (`_passing_ids`), or None. The hits are the same every way."""
+    how many of the `indexed` memories pass the filters (`_counted`, `_many_passing`), or None; `within`: every
+    memory that passes them, when they are few (`_passing_ids`), or None. The hits are the same every way."""
     if within is not None and not within:  # a project with no memories yet: nothing to rank, no term to look up
         return []
     terms = with_identifier_parts(query, query_terms(query))
