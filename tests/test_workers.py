@@ -250,6 +250,59 @@ async def test_the_next_chunk_is_read_and_distilled_while_one_is_written(monkeyp
         assert "module number 3" in texts and "always run the linter" in texts
 
 
+def four_chunks(session: str) -> list[dict[str, Any]]:
+    """Four chunks whose observations need the ones before: a test run fails in the first chunk and passes in the
+    third, a call ends the second chunk and its result starts the third, the last chunk is short; and a lint run
+    that fails early in the first chunk passes in the third, too late for its failure to be in the context there."""
+    events = [user(session, f"Step {i}: look at module number {i} and say what it does.", 1_700_000_000 + i)
+              for i in range(3 * CHUNK_EVENTS + 10)]
+    lint, clean = (shell(session, "ruff check src", "src/a.py:1:1: F401 unused import\nFound 1 error.",
+                         1_700_000_002, failed=True), shell(session, "ruff check src", "All checks passed!",
+                                                            1_700_000_066))
+    failed = shell(session, "pytest tests/test_upload.py", "FAILED tests/test_upload.py::test_retry - assert 0 == 3\n"
+                   "=== 1 failed, 4 passed in 0.3s ===", 1_700_000_020, failed=True)
+    passed = shell(session, "pytest tests/test_upload.py", "=== 5 passed in 0.2s ===", 1_700_000_060)
+    across = shell(session, 'git commit -m "Add retry with backoff"', "[main 1a2b3c4] Add retry with backoff\n"
+                   " 2 files changed", 1_700_000_049)
+    events[2:4], events[20:22], events[49:51], events[60:62], events[66:68] = lint, failed, across, passed, clean
+    return events
+
+
+async def test_a_run_carries_each_chunk_s_context_over_as_reading_it_again_would(monkeypatch, home) -> None:
+    """The observer reads a session's earlier events once a run and slides them along chunk after chunk: what one
+    run over four chunks writes is what four runs, one a chunk (each reading its context afresh), write."""
+    monkeypatch.setattr("loomd.workers.observer.CONTEXT_EVENTS", 40)  # the window drops its oldest too
+
+    def written(items: list[dict[str, Any]], ids: list[int]) -> set[tuple[Any, ...]]:
+        at = {event_id: n for n, event_id in enumerate(ids)}
+        return {(m["kind"], m["text"], m["superseded_by"] is not None,
+                 tuple(sorted(at[s["event_id"]] for s in m["sources"]))) for m in items
+                if m["kind"] in ("observation", "evidence")}
+
+    events = four_chunks("long")
+    for name in ("one", "each"):
+        (home / name).mkdir(mode=0o700)
+    monkeypatch.setenv("LOOMD_HOME", str(home / "one"))
+    async with loomd(monkeypatch, home / "one") as (_, client):
+        ids = await ingest(client, events)
+        run = await client.call("workers_run", name="observer", session_id="long", final=True)
+        assert run["outcome"] == "ok" and run["items_in"] == len(events), run
+        in_one_run = written(await memories(client), ids)
+    monkeypatch.setenv("LOOMD_HOME", str(home / "each"))
+    async with loomd(monkeypatch, home / "each") as (_, client):
+        ids = []
+        for start in range(0, len(events), CHUNK_EVENTS):
+            ids += await ingest(client, events[start : start + CHUNK_EVENTS])
+            last = start + CHUNK_EVENTS >= len(events)
+            run = await client.call("workers_run", name="observer", session_id="long", final=last)
+            assert run["outcome"] == "ok", run
+        one_a_run = written(await memories(client), ids)
+    assert in_one_run == one_a_run
+    # The context mattered: the passing run in the third chunk supersedes the failure in the first.
+    assert [text for kind, text, superseded, _ in in_one_run if kind == "observation" and superseded] == [
+        "`pytest tests/test_upload.py` failed: 1 failed, 4 passed tests/test_upload.py::test_retry"], in_one_run
+
+
 async def test_a_chunk_that_fails_mid_session_drops_what_was_read_ahead_of_it(monkeypatch, home) -> None:
     """A run over every due session: the long session's second chunk faults while its third was read ahead. The
     first chunk stays committed, nothing of the second or third is written, and the next session is observed."""

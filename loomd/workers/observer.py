@@ -35,14 +35,13 @@ from loomd.workers.base import (
 from loomd.workers.evidence import EVIDENCE_IMPORTANCE, Evidence, evidence_of
 from loomd.workers.model import ModelClient, ModelDistiller
 from loomd.workers.rules import observe
-from loomd.workers.steps import Observation, SourceEvent, to_steps
+from loomd.workers.steps import EVENT_COLUMNS, EventRow, Observation, SourceEvent, to_steps
 
 log = logging.getLogger(__name__)
 
 CHUNK_EVENTS = 25
 PASSAGES_PER_WRITE = 8  # a chunk's evidence passages per transaction (~0.4 ms each on 2 CPUs, with their entities)
 CONTEXT_EVENTS = 200
-EVENT_COLUMNS = "id, session_id, kind, ts, agent, project, tool_name, tool_use_id, payload"
 
 
 async def supersede_errors(db: aiosqlite.Connection, session_id: str, failed_events: list[int], fix_id: int) -> int:
@@ -55,6 +54,15 @@ async def supersede_errors(db: aiosqlite.Connection, session_id: str, failed_eve
         " AND json_extract(meta, '$.type') = 'error' AND id IN (SELECT memory_id FROM memory_sources"
         f" WHERE event_id IN ({marks}))", (session_id, *failed_events))
     return len(await supersede(db, fix_id, [row[0] for row in rows]))
+
+
+def distil_rows(rows: list[EventRow], context: list[EventRow], final: bool,
+                observations: list[Observation] | None) -> tuple[list[Observation], list[Evidence], Mentions]:
+    """`distil` of events as read (run in the offload process): their payloads are parsed there too, the JSON of up
+    to CONTEXT_EVENTS + CHUNK_EVENTS events a chunk, which on the event loop was a millisecond and more of a chunk's
+    CPU at the daemon's priority, and sent there as parsed objects, costlier to pickle than their text."""
+    return distil([SourceEvent.from_row(r) for r in rows], [SourceEvent.from_row(r) for r in context], final,
+                  observations)
 
 
 def distil(events: list[SourceEvent], context: list[SourceEvent], final: bool,
@@ -253,22 +261,27 @@ class Observer:
             return False
         return row[0] is not None or (row[1] is not None and row[1] < time.time() - ctx.config().observe_idle_s)
 
-    async def _context(self, ctx: WorkerContext, session_id: str, watermark: int,
-                       events: list[SourceEvent]) -> list[SourceEvent]:
-        """Earlier events of the session: pairing a result with its call, and the history of failures."""
+    async def _window(self, ctx: WorkerContext, session_id: str, watermark: int) -> list[EventRow]:
+        """The session's last CONTEXT_EVENTS events up to `watermark`, oldest first: a chunk's context."""
         rows = await ctx.store.fetchall(
             f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND id <= ? ORDER BY id DESC LIMIT ?",
             (session_id, watermark, CONTEXT_EVENTS), background=True)
-        context = [SourceEvent.from_row(r) for r in reversed(rows)]
-        have = {e.id for e in context} | {e.id for e in events}
-        wanted = {f"tu:{e.tool_use_id}" for e in events if e.kind == "tool_result" and e.tool_use_id}
-        if wanted:
-            marks = ",".join("?" * len(wanted))
-            rows = await ctx.store.fetchall(
-                f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND dedup IN ({marks})",
-                (session_id, *sorted(wanted)), background=True)
-            context.extend(SourceEvent.from_row(r) for r in rows if r["id"] not in have)
-        return sorted(context, key=lambda e: e.id)
+        return [tuple(r) for r in reversed(rows)]
+
+    async def _context(self, ctx: WorkerContext, session_id: str, window: list[EventRow],
+                       events: list[EventRow]) -> list[EventRow]:
+        """A chunk's context, in event order: the `window` of earlier events (the history of failures), and the calls
+        of the chunk's tool results that are older than it (pairing a result with its call)."""
+        wanted = {f"tu:{e[7]}" for e in events if e[2] == "tool_result" and e[7]}
+        if not wanted:
+            return window
+        have = {e[0] for e in window} | {e[0] for e in events}
+        marks = ",".join("?" * len(wanted))
+        rows = await ctx.store.fetchall(
+            f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND dedup IN ({marks})",
+            (session_id, *sorted(wanted)), background=True)
+        older = [tuple(r) for r in rows if r["id"] not in have]
+        return sorted([*window, *older], key=lambda e: e[0]) if older else window
 
     async def chunks(self, ctx: WorkerContext, session_id: str, req: RunRequest, report: RunReport,
                      model: ModelDistiller | None) -> AsyncGenerator[Chunk, None]:
@@ -281,33 +294,39 @@ class Observer:
         project, agent = session["project"], session["agent"]
         final = await self._final(ctx, session_id, req)
         watermark = await get_int_checkpoint(ctx.store.background, watermark_name(session_id))
+        window: list[EventRow] | None = None
         while True:
-            rows = await ctx.store.fetchall(
+            events = [tuple(r) for r in await ctx.store.fetchall(
                 f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?",
-                (session_id, watermark, CHUNK_EVENTS), background=True)
-            if not rows:
+                (session_id, watermark, CHUNK_EVENTS), background=True)]
+            if not events:
                 return
-            events = [SourceEvent.from_row(r) for r in rows]
-            last_chunk = len(rows) < CHUNK_EVENTS
+            last_chunk = len(events) < CHUNK_EVENTS
             # A session's first line may carry no cwd (a transcript `summary`): its events know the project better.
-            known = Counter(e.project for e in events if e.project and e.project != "unknown")
+            known = Counter(e[5] for e in events if e[5] and e[5] != "unknown")
             project = known.most_common(1)[0][0] if known else project
-            context = await self._context(ctx, session_id, watermark, events)
+            # Read once a session: the next chunk's window is this one's and this chunk's events, the last
+            # CONTEXT_EVENTS of them (each chunk read it again, CONTEXT_EVENTS rows for CHUNK_EVENTS new ones).
+            if window is None:
+                window = await self._window(ctx, session_id, watermark)
+            context = await self._context(ctx, session_id, window, events)
             observations, origin = None, "observer"
             if model is not None:
-                observations = await model.observe(events, context)
+                observations = await model.observe([SourceEvent.from_row(e) for e in events],
+                                                   [SourceEvent.from_row(e) for e in context])
                 if observations is None:
                     report.note("model_fallback", model.last_error)
                 else:
                     origin = "observer:model"
             if ctx.offload is None:
-                kept, evidence, mentions = distil(events, context, final and last_chunk, observations)
+                kept, evidence, mentions = distil_rows(events, context, final and last_chunk, observations)
             else:  # the CPU-heavy part, in the offload process; if it dies, this chunk waits for the next run
-                kept, evidence, mentions = await ctx.offload.call("work", distil, events, context,
+                kept, evidence, mentions = await ctx.offload.call("work", distil_rows, events, context,
                                                                   final and last_chunk, observations)
-            yield Chunk(session_id, project, agent, origin, watermark, events[-1].id, kept, evidence, mentions,
+            yield Chunk(session_id, project, agent, origin, watermark, events[-1][0], kept, evidence, mentions,
                         derive=not req.dry_run, report=report, events=len(events))
-            watermark = events[-1].id
+            watermark = events[-1][0]
+            window = [*window, *events][-CONTEXT_EVENTS:]
             if last_chunk:
                 return
 

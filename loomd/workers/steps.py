@@ -17,6 +17,11 @@ from loomd.store.memories import content_hash
 
 # --- events as the observer sees them -------------------------------------------------------------------------
 
+# The columns an event is read with (`SourceEvent.from_row`), in order.
+EVENT_COLUMNS = "id, session_id, kind, ts, agent, project, tool_name, tool_use_id, payload"
+EventRow = tuple[Any, ...]  # one event as read with EVENT_COLUMNS: its payload still JSON text
+
+
 @dataclass
 class SourceEvent:
     """One stored event (a row of `events`), payload decoded."""
@@ -32,13 +37,15 @@ class SourceEvent:
     payload: dict[str, Any]
 
     @classmethod
-    def from_row(cls, row: Any) -> SourceEvent:
+    def from_row(cls, row: Sequence[Any]) -> SourceEvent:
+        """An event as read by `EVENT_COLUMNS` (a row or a plain tuple of it, in that order)."""
+        event_id, session_id, kind, ts, agent, project, tool_name, tool_use_id, raw = row
         try:
-            payload = json.loads(row["payload"])
+            payload = json.loads(raw)
         except (TypeError, ValueError):
             payload = {}
-        return cls(int(row["id"]), row["session_id"], row["kind"], float(row["ts"]), row["agent"], row["project"],
-                   row["tool_name"], row["tool_use_id"], payload if isinstance(payload, dict) else {})
+        return cls(int(event_id), session_id, kind, float(ts), agent, project, tool_name, tool_use_id,
+                   payload if isinstance(payload, dict) else {})
 
     @property
     def lane(self) -> str:
