@@ -266,22 +266,22 @@ class Observer:
         rows = await ctx.store.fetchall(
             f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND id <= ? ORDER BY id DESC LIMIT ?",
             (session_id, watermark, CONTEXT_EVENTS), background=True)
-        return [tuple(r) for r in reversed(rows)]
+        return [EventRow._make(r) for r in reversed(rows)]
 
     async def _context(self, ctx: WorkerContext, session_id: str, window: list[EventRow],
                        events: list[EventRow]) -> list[EventRow]:
         """A chunk's context, in event order: the `window` of earlier events (the history of failures), and the calls
         of the chunk's tool results that are older than it (pairing a result with its call)."""
-        wanted = {f"tu:{e[7]}" for e in events if e[2] == "tool_result" and e[7]}
+        wanted = {f"tu:{e.tool_use_id}" for e in events if e.kind == "tool_result" and e.tool_use_id}
         if not wanted:
             return window
-        have = {e[0] for e in window} | {e[0] for e in events}
+        have = {e.id for e in window} | {e.id for e in events}
         marks = ",".join("?" * len(wanted))
         rows = await ctx.store.fetchall(
             f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND dedup IN ({marks})",
             (session_id, *sorted(wanted)), background=True)
-        older = [tuple(r) for r in rows if r["id"] not in have]
-        return sorted([*window, *older], key=lambda e: e[0]) if older else window
+        older = [EventRow._make(r) for r in rows if r["id"] not in have]
+        return sorted([*window, *older], key=lambda e: e.id) if older else window
 
     async def chunks(self, ctx: WorkerContext, session_id: str, req: RunRequest, report: RunReport,
                      model: ModelDistiller | None) -> AsyncGenerator[Chunk, None]:
@@ -296,14 +296,14 @@ class Observer:
         watermark = await get_int_checkpoint(ctx.store.background, watermark_name(session_id))
         window: list[EventRow] | None = None
         while True:
-            events = [tuple(r) for r in await ctx.store.fetchall(
+            events = [EventRow._make(r) for r in await ctx.store.fetchall(
                 f"SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ? AND id > ? ORDER BY id LIMIT ?",
                 (session_id, watermark, CHUNK_EVENTS), background=True)]
             if not events:
                 return
             last_chunk = len(events) < CHUNK_EVENTS
             # A session's first line may carry no cwd (a transcript `summary`): its events know the project better.
-            known = Counter(e[5] for e in events if e[5] and e[5] != "unknown")
+            known = Counter(e.project for e in events if e.project and e.project != "unknown")
             project = known.most_common(1)[0][0] if known else project
             # Read once a session: the next chunk's window is this one's and this chunk's events, the last
             # CONTEXT_EVENTS of them (each chunk read it again, CONTEXT_EVENTS rows for CHUNK_EVENTS new ones).
@@ -323,9 +323,9 @@ class Observer:
             else:  # the CPU-heavy part, in the offload process; if it dies, this chunk waits for the next run
                 kept, evidence, mentions = await ctx.offload.call("work", distil_rows, events, context,
                                                                   final and last_chunk, observations)
-            yield Chunk(session_id, project, agent, origin, watermark, events[-1][0], kept, evidence, mentions,
+            yield Chunk(session_id, project, agent, origin, watermark, events[-1].id, kept, evidence, mentions,
                         derive=not req.dry_run, report=report, events=len(events))
-            watermark = events[-1][0]
+            watermark = events[-1].id
             window = [*window, *events][-CONTEXT_EVENTS:]
             if last_chunk:
                 return

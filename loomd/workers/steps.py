@@ -10,7 +10,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from loomd.ingest.reading import SHELL_TOOLS, failed_output, response_text, shell_command
 from loomd.store.memories import content_hash
@@ -19,7 +19,21 @@ from loomd.store.memories import content_hash
 
 # The columns an event is read with (`SourceEvent.from_row`), in order.
 EVENT_COLUMNS = "id, session_id, kind, ts, agent, project, tool_name, tool_use_id, payload"
-EventRow = tuple[Any, ...]  # one event as read with EVENT_COLUMNS: its payload still JSON text
+
+
+class EventRow(NamedTuple):
+    """One event as read with EVENT_COLUMNS, its payload still JSON text: what the observer reads and sends to the
+    offload process, where `SourceEvent.from_row` parses it."""
+
+    id: int
+    session_id: str
+    kind: str
+    ts: float
+    agent: str | None
+    project: str | None
+    tool_name: str | None
+    tool_use_id: str | None
+    payload: str | None
 
 
 @dataclass
