@@ -33,7 +33,7 @@ from loomd.ingest.writer import LIVE_QUIET_S
 from loomd.store.db import connect_sync, on_thread, open_reader
 from loomd.workers.base import RunReport
 from loomd.workers.digest import budgets, render_digest
-from loomd.workers.observer import CHUNK_EVENTS, PASSAGES_PER_WRITE
+from loomd.workers.observer import CHUNK_EVENTS, CONTEXT_EVENTS, PASSAGES_PER_WRITE
 from loomd.workers.reflector import Reflector, plan_chunk, read_snapshot
 from loomd.workers.rules import observe
 from loomd.workers.scheduler import HOLD_RETRY_S
@@ -250,28 +250,32 @@ async def test_the_next_chunk_is_read_and_distilled_while_one_is_written(monkeyp
         assert "module number 3" in texts and "always run the linter" in texts
 
 
-def four_chunks(session: str) -> list[dict[str, Any]]:
-    """Four chunks whose observations need the ones before: a test run fails in the first chunk and passes in the
-    third, a call ends the second chunk and its result starts the third, the last chunk is short; and a lint run
-    that fails early in the first chunk passes in the third, too late for its failure to be in the context there."""
+def many_chunks(session: str) -> list[dict[str, Any]]:
+    """Eleven chunks whose observations need the ones before: a test run fails in the eighth chunk and passes in
+    the tenth, a call ends the ninth chunk and its result starts the tenth, the last chunk is short; and a lint run
+    that fails in the first chunk passes in the tenth, by then more than CONTEXT_EVENTS events back."""
     events = [user(session, f"Step {i}: look at module number {i} and say what it does.", 1_700_000_000 + i)
-              for i in range(3 * CHUNK_EVENTS + 10)]
+              for i in range(10 * CHUNK_EVENTS + 10)]
     lint, clean = (shell(session, "ruff check src", "src/a.py:1:1: F401 unused import\nFound 1 error.",
                          1_700_000_002, failed=True), shell(session, "ruff check src", "All checks passed!",
-                                                            1_700_000_066))
+                                                            1_700_000_000 + 9 * CHUNK_EVENTS + 16))
     failed = shell(session, "pytest tests/test_upload.py", "FAILED tests/test_upload.py::test_retry - assert 0 == 3\n"
-                   "=== 1 failed, 4 passed in 0.3s ===", 1_700_000_020, failed=True)
-    passed = shell(session, "pytest tests/test_upload.py", "=== 5 passed in 0.2s ===", 1_700_000_060)
+                   "=== 1 failed, 4 passed in 0.3s ===", 1_700_000_000 + 7 * CHUNK_EVENTS + 20, failed=True)
+    passed = shell(session, "pytest tests/test_upload.py", "=== 5 passed in 0.2s ===",
+                   1_700_000_000 + 9 * CHUNK_EVENTS + 10)
     across = shell(session, 'git commit -m "Add retry with backoff"', "[main 1a2b3c4] Add retry with backoff\n"
-                   " 2 files changed", 1_700_000_049)
-    events[2:4], events[20:22], events[49:51], events[60:62], events[66:68] = lint, failed, across, passed, clean
+                   " 2 files changed", 1_700_000_000 + 9 * CHUNK_EVENTS - 1)
+    tenth = 9 * CHUNK_EVENTS
+    assert 3 < tenth - CONTEXT_EVENTS <= tenth - 5  # the tenth chunk's window: the test run's failure, not the lint's
+    events[2:4], events[tenth - 5 : tenth - 3] = lint, failed
+    events[tenth - 1 : tenth + 1], events[tenth + 10 : tenth + 12], events[tenth + 16 : tenth + 18] = (across, passed,
+                                                                                                       clean)
     return events
 
 
 async def test_a_run_carries_each_chunk_s_context_over_as_reading_it_again_would(monkeypatch, home) -> None:
     """The observer reads a session's earlier events once a run and slides them along chunk after chunk: what one
-    run over four chunks writes is what four runs, one a chunk (each reading its context afresh), write."""
-    monkeypatch.setattr("loomd.workers.observer.CONTEXT_EVENTS", 40)  # the window drops its oldest too
+    run over eleven chunks writes is what eleven runs, one a chunk (each reading its context afresh), write."""
 
     def written(items: list[dict[str, Any]], ids: list[int]) -> set[tuple[Any, ...]]:
         at = {event_id: n for n, event_id in enumerate(ids)}
@@ -279,7 +283,7 @@ async def test_a_run_carries_each_chunk_s_context_over_as_reading_it_again_would
                  tuple(sorted(at[s["event_id"]] for s in m["sources"]))) for m in items
                 if m["kind"] in ("observation", "evidence")}
 
-    events = four_chunks("long")
+    events = many_chunks("long")
     for name in ("one", "each"):
         (home / name).mkdir(mode=0o700)
     monkeypatch.setenv("LOOMD_HOME", str(home / "one"))
