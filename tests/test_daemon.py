@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -397,3 +398,84 @@ async def test_the_workers_read_on_a_connection_of_their_own_so_a_recall_never_q
     run = await client.call("workers_run", name="observer", session_id="s1")
     assert run["outcome"] == "ok" and run["items_in"] == 1 and not slow.done(), run
     assert (await slow)[0][0] == 20000000
+
+
+def many_copies() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Events stored first (one a commit), then a batch of 120 that repeats and copies them and itself: tool calls
+    and results from the transcript and their hook copies (by id), the same line twice (by key), prompts typed
+    twice with their hook copies (paired one to one), a session first seen without its project, a session's end."""
+    from test_workers import ev
+
+    from loomd.ingest.events import prompt_dedup
+
+    def call(sid: str, n: int, source: str, key: str | None = None) -> list[dict[str, Any]]:
+        kinds = ("tool_use", "tool_result") if source == "transcript" else ("PreToolUse", "PostToolUse")
+        return [ev(sid, kind, {"text": f"{kind} {n}"}, 1_700_000_000 + n + half / 2, source=source,
+                   tool_use_id=f"toolu_{sid}_{n}", dedup=f"{mark}:toolu_{sid}_{n}",
+                   **({"key": f"{key}:{mark}"} if key else {}))
+                for half, (kind, mark) in enumerate(zip(kinds, ("tu", "tr"), strict=True))]
+
+    def prompt(sid: str, text: str, ts: float, source: str) -> dict[str, Any]:
+        kind = "user_message" if source == "transcript" else "UserPromptSubmit"
+        return ev(sid, kind, {"text": text, "prompt": text}, ts, source=source, dedup=prompt_dedup(text))
+
+    said = ev("s-b", "assistant_message", {"text": "stored before"}, 1_699_999_998.0)
+    before = [said, *(e for n in range(3) for e in call("s-a", n, "transcript"))]
+    batch: list[dict[str, Any]] = [
+        {**ev("s-c", "assistant_message", {"text": "first, no cwd"}, 1_699_999_999.0), "project": "unknown"}]
+    for n in range(40):
+        if n == 20:
+            batch.append(dict(said))  # a line stored before, again: its INSERT row is ignored among new ones
+        sid = ("s-a", "s-b", "s-c")[n % 3]
+        batch += call(sid, n, "transcript", key=f"line:{sid}:{n}")
+        if n % 4 == 0:
+            batch += call(sid, n, "hook")  # the hook copies of a call: not stored
+        if n % 5 == 0:
+            batch.append(dict(batch[-1]))  # the same line again: its key is stored already
+        if n % 7 == 0:
+            batch += [prompt(sid, "continue", 1_700_000_000 + n, "transcript"),
+                      prompt(sid, "continue", 1_700_000_000 + n + 0.1, "hook")]
+        if n % 11 == 0:
+            batch.append(prompt(sid, "continue", 1_700_000_000 + n + 0.2, "transcript"))
+    batch.append(ev("s-b", "SessionEnd", {"reason": "other"}, 1_700_000_100.0))
+    return before, batch
+
+
+async def test_a_group_commit_stores_what_one_commit_an_event_stores(monkeypatch, home) -> None:
+    """The writer inserts a commit's events a run at a time (one lookup of the copies, an INSERT of many rows):
+    the same rows, ids, copies skipped and session rows as committing the events one by one."""
+    from test_workers import PROJECT as PROJECT_W
+    from test_workers import ingest, loomd
+
+    before, batch = many_copies()
+    assert len(batch) > 100
+    seen: dict[str, tuple[list[Any], list[Any], list[Any]]] = {}
+    for name in ("batch", "one_by_one"):
+        (home / name).mkdir(mode=0o700)
+        monkeypatch.setenv("LOOMD_HOME", str(home / name))
+        async with loomd(monkeypatch, home / name) as (d, client):
+            for event in before:
+                await ingest(client, [event])
+            if name == "batch":
+                ids = await ingest(client, batch)
+            else:
+                ids = [i for event in batch for i in await ingest(client, [event])]
+            rows = [tuple(r) for r in await d.store.fetchall(
+                "SELECT id, key, session_id, kind, source, dedup, ts FROM events ORDER BY id")]
+            sessions = [tuple(r) for r in await d.store.fetchall(
+                "SELECT id, project, started, last_seen, ended FROM sessions ORDER BY id")]
+            seen[name] = (ids, rows, sessions)
+    assert seen["batch"] == seen["one_by_one"]
+    ids, rows, sessions = seen["batch"]
+    kinds = [r[3] for r in rows]
+    # s-a's first call was stored before; every hook copy pairs with a transcript one (the third "continue" of s-a
+    # at n=0 is another prompt, kept); each repeated line is stored once.
+    assert (kinds.count("tool_use"), kinds.count("tool_result"), kinds.count("PostToolUse")) == (42, 42, 0)
+    assert (kinds.count("user_message"), kinds.count("UserPromptSubmit")) == (10, 0)
+    assert kinds.count("assistant_message") == 2 and len(rows) == 97 == len({r[1] for r in rows})
+    assert len(ids) == len(batch) and sum(i is not None for i in ids) == len(rows) - len(before)
+    assert [s[1] for s in sessions] == [PROJECT_W] * 3  # s-c first seen as "unknown"
+    assert [s[0] for s in sessions if s[4] is not None] == ["s-b"]
+    assert len(rows) == len(set(r[1] for r in rows))
+    assert [s[1] for s in sessions] == [PROJECT_W, PROJECT_W, PROJECT_W]
+    assert sum(s[4] is not None for s in sessions) == 1
