@@ -435,20 +435,29 @@ def _insert_sql(rows: int) -> str:
             " tool_use_id, dedup, tokens, payload) VALUES " + ",".join([EVENT_ROW] * rows))
 
 
-LOOKUP_ALONE = 4  # copies looked up a statement each up to this many: a query of a JSON list costs more for few
+LOOKUP_LISTED = 8  # copies looked up with their pairs in the statement's text up to this many; more, in a JSON list
+
+
+@functools.cache
+def _copies_sql(pairs: int) -> str:
+    return ("SELECT session_id, dedup FROM events WHERE dedup IS NOT NULL AND ("
+            + " OR ".join(["(session_id = ? AND dedup = ?)"] * pairs) + ")")
 
 
 def _stored_copies(conn: sqlite3.Connection, pairs: list[tuple[str, str]]) -> set[tuple[str, str]]:
-    """Which (session, dedup) pairs a stored event has: one query for many (a tailer's or an import's slice); a
-    statement each for a hook's few, where parsing a JSON list cost more than the statements (a lone event's
-    insert, in-process: 147 -> 183 µs)."""
-    if len(pairs) <= LOOKUP_ALONE:
-        return {pair for pair in pairs if conn.execute(
-            "SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1", pair).fetchone() is not None}
-    return set(map(tuple, conn.execute(
-        "SELECT e.session_id, e.dedup FROM json_each(?) AS j JOIN events AS e"
-        " ON e.session_id = j.value ->> 0 AND e.dedup = j.value ->> 1 AND e.dedup IS NOT NULL",
-        (json.dumps(pairs),)).fetchall()))
+    """Which (session, dedup) pairs a stored event has, in one query: a hook's few pairs written into its text (a
+    lone event's insert in-process: 147 µs, as a statement of its own; 183 with a JSON list to parse), a tailer's
+    or an import's slice's many in a JSON list (one statement text for any number)."""
+    if not pairs:
+        return set()
+    if len(pairs) <= LOOKUP_LISTED:
+        rows = conn.execute(_copies_sql(len(pairs)), [value for pair in pairs for value in pair]).fetchall()
+    else:
+        rows = conn.execute(
+            "SELECT e.session_id, e.dedup FROM json_each(?) AS j JOIN events AS e"
+            " ON e.session_id = j.value ->> 0 AND e.dedup = j.value ->> 1 AND e.dedup IS NOT NULL",
+            (json.dumps(pairs),)).fetchall()
+    return {(row[0], row[1]) for row in rows}
 
 
 def _insert_run(conn: sqlite3.Connection, run: list[Event], now: float) -> list[Event]:
@@ -490,10 +499,12 @@ def _insert_rows(conn: sqlite3.Connection, events: list[Event], now: float) -> N
             continue
         # One statement's rows take consecutive ids, in order (an INTEGER PRIMARY KEY is the largest one plus one).
         if inserted == len(rows):
-            ids = dict(zip((e.key for e in rows), range(last - inserted + 1, last + 1), strict=True))
-        else:  # some keys were stored before: which rows are new, by their ids
-            ids = dict(conn.execute("SELECT key, id FROM events WHERE id BETWEEN ? AND ?",
-                                    (last - inserted + 1, last)).fetchall())
+            for event_id, event in enumerate(rows, last - inserted + 1):
+                event.id, event.stored = event_id, True
+            continue
+        # Some keys were stored before: which rows are new, by their ids.
+        ids = dict(conn.execute("SELECT key, id FROM events WHERE id BETWEEN ? AND ?",
+                                (last - inserted + 1, last)).fetchall())
         for event in rows:
             if (event_id := ids.get(event.key)) is not None:
                 event.id, event.stored = event_id, True
