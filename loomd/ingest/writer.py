@@ -503,11 +503,11 @@ def _insert_rows(conn: sqlite3.Connection, events: list[Event], now: float) -> N
                 event.id, event.stored = event_id, True
             continue
         # Some keys were stored before: which rows are new, by their ids.
-        ids = dict(conn.execute("SELECT key, id FROM events WHERE id BETWEEN ? AND ?",
-                                (last - inserted + 1, last)).fetchall())
+        ids: dict[str, int] = dict(conn.execute("SELECT key, id FROM events WHERE id BETWEEN ? AND ?",
+                                                (last - inserted + 1, last)).fetchall())
         for event in rows:
-            if (event_id := ids.get(event.key)) is not None:
-                event.id, event.stored = event_id, True
+            if (new_id := ids.get(event.key)) is not None:
+                event.id, event.stored = new_id, True
 
 
 def is_copy(conn: sqlite3.Connection, event: Event) -> bool:
