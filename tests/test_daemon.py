@@ -18,10 +18,13 @@ from typing import Any
 import msgpack
 import pytest
 from conftest import need_test_data, query
+from test_workers import PROJECT as PROJECT_W
+from test_workers import ev, ingest, loomd
 
 from loomd import protocol
 from loomd.client import AsyncClient, Client, RemoteError
 from loomd.daemon import Daemon
+from loomd.ingest.events import prompt_dedup
 from loomd.memory import MALLOC_ARENAS
 
 
@@ -404,10 +407,6 @@ def many_copies() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Events stored first (one a commit), then a batch of 120 that repeats and copies them and itself: tool calls
     and results from the transcript and their hook copies (by id), the same line twice (by key), prompts typed
     twice with their hook copies (paired one to one), a session first seen without its project, a session's end."""
-    from test_workers import ev
-
-    from loomd.ingest.events import prompt_dedup
-
     def call(sid: str, n: int, source: str, key: str | None = None) -> list[dict[str, Any]]:
         kinds = ("tool_use", "tool_result") if source == "transcript" else ("PreToolUse", "PostToolUse")
         return [ev(sid, kind, {"text": f"{kind} {n}"}, 1_700_000_000 + n + half / 2, source=source,
@@ -444,9 +443,6 @@ def many_copies() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 async def test_a_group_commit_stores_what_one_commit_an_event_stores(monkeypatch, home) -> None:
     """The writer inserts a commit's events a run at a time (one lookup of the copies, an INSERT of many rows):
     the same rows, ids, copies skipped and session rows as committing the events one by one."""
-    from test_workers import PROJECT as PROJECT_W
-    from test_workers import ingest, loomd
-
     before, batch = many_copies()
     assert len(batch) > 100
     seen: dict[str, tuple[list[Any], list[Any], list[Any]]] = {}
