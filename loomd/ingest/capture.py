@@ -242,9 +242,9 @@ async def tool_run(db: aiosqlite.Connection, event: Event,
         flagged = flagged or event.kind == "PostToolUseFailure"
     elif event.kind == "tool_result" and event.tool_use_id:
         dedup = f"tu:{event.tool_use_id}"
-        # A session holds one row per tool-call dedup (`is_copy`), so the one stored now is the row the query finds;
-        # an import's tool call is nearly always in its result's batch, and the query costs a trip to the writer's
-        # thread and a JSON parse.
+        # A session holds one row per tool-call dedup (`writer.insert_events`), so the one stored now is the row the
+        # query finds; an import's tool call is nearly always in its result's batch, and the query costs a trip to the
+        # writer's thread and a JSON parse.
         if (found := (stored or {}).get((event.session_id, dedup))) is not None:
             use, use_tool = found.payload, found.tool_name
         else:

@@ -376,7 +376,7 @@ def insert_events(conn: sqlite3.Connection, events: Sequence[Event], now: float)
     back and waits to take it again, and while the event loop parses the next hooks every such wait is long (the
     ingest bench, 8 clients: 140 µs of CPU and 230 of wall time an event in here, against 80 with nothing else
     running). So the events go a run at a time (`_insert_run`: one lookup of the run's copies, one INSERT of many
-    rows); a prompt, which pairs with one copy at most (`is_copy`), goes alone, in its place.
+    rows); a prompt, which pairs with one copy at most (`is_prompt_copy`), goes alone, in its place.
 
     A session's row is upserted once per call, with what its events would have left there one by one (an import's
     slice is hundreds of events of one session; an upsert per event was a fifth of their insert)."""
@@ -389,7 +389,7 @@ def insert_events(conn: sqlite3.Connection, events: Sequence[Event], now: float)
             continue
         kept += _insert_run(conn, run, now)
         run = []
-        if not is_copy(conn, event):
+        if not is_prompt_copy(conn, event):
             _insert_rows(conn, [event], now)
             kept.append(event)
     kept += _insert_run(conn, run, now)
@@ -510,19 +510,16 @@ def _insert_rows(conn: sqlite3.Connection, events: list[Event], now: float) -> N
                 event.id, event.stored = new_id, True
 
 
-def is_copy(conn: sqlite3.Connection, event: Event) -> bool:
-    """Whether `event` is another copy of a stored one: a hook event and its transcript line (one tool call, one
-    prompt) are stored once.
+def is_prompt_copy(conn: sqlite3.Connection, event: Event) -> bool:
+    """Whether the prompt `event` is another copy of a stored one: a hook's prompt and its transcript line are
+    stored once. (A tool call's copies are found by its id, a run at a time: `_insert_run`.)
 
-    A tool call has an identity (its id). A prompt has only its text, and "continue" typed three times is three
-    prompts: so each copy pairs with one copy from the other source (the nearest in time not yet paired), and the
-    pair is marked (`paired_dedup`). Three hook copies and three transcript copies make three rows, whichever
-    arrives first; a copy that never arrives (a lost hook) costs nothing but its pairing.
+    A prompt has only its text, and "continue" typed three times is three prompts: so each copy pairs with one copy
+    from the other source (the nearest in time not yet paired), and the pair is marked (`paired_dedup`). Three hook
+    copies and three transcript copies make three rows, whichever arrives first; a copy that never arrives (a lost
+    hook) costs nothing but its pairing.
     """
-    assert event.dedup is not None
-    if not event.dedup.startswith(PROMPT_MARK):
-        return conn.execute("SELECT 1 FROM events WHERE session_id = ? AND dedup = ? LIMIT 1",
-                            (event.session_id, event.dedup)).fetchone() is not None
+    assert event.dedup is not None and event.dedup.startswith(PROMPT_MARK)
     if conn.execute("SELECT 1 FROM events WHERE key = ?", (event.key,)).fetchone() is not None:
         return True  # this very copy again (a spool replay, a re-read line): it must not take another's pair
     other = conn.execute(
