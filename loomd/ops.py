@@ -97,7 +97,8 @@ class Ops:
             "embedder": run["embedder"], "versions": await self.s.store.versions(),
             "tailer": run["tailer"], "tailers": run["tailer"], "spool": run["spool"], "tasks": run["tasks"],
             "storage": self._storage(db), "offload": run["offload"], "import": run["import"],
-            "writer": {"waiting": self.s.store.write_waiting, "holds": self.s.store.holds.summary()},
+            "writer": {"waiting": self.s.store.write_waiting, "holds": self.s.store.holds.summary(),
+                       "gave_way": self.s.store.gave_way},
             "shared": await self.s.sync.status() if self.s.sync is not None else {"configured": False},
             "service": run["service"], "memory": run["memory"],
         }

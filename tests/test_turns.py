@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
+import aiosqlite
 from conftest import caught_up
 
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
 from loomd.ingest.writer import BACKGROUND_EVERY_S, BACKGROUND_SLICE_S, YIELD_MAX_S, LiveTraffic
+from loomd.store.trip import commit_in_one_trip
 from loomd.store.turns import HOLDS_KEPT, Durations, WriteTurns
 
 
@@ -53,6 +56,69 @@ async def test_a_hooks_commit_goes_before_waiting_worker_transactions(daemon: Da
     assert (await hook)["stored"] == 1
     await asyncio.gather(held, *workers)
     assert seen == [("first", 1), ("second", 1)]
+
+
+def stop_hook(session_id: str, said: str) -> bytes:
+    return json.dumps({"session_id": session_id, "cwd": "/tmp", "hook_event_name": "Stop", "stop_hook_active": False,
+                       "last_assistant_message": said}).encode()
+
+
+async def test_a_yielding_transaction_gives_way_to_a_hooks_commit_once(daemon: Daemon, client: AsyncClient) -> None:
+    """A background transaction that `yields` (the observer's) stops at its next statement when a hook's commit comes
+    to wait behind it, rolls back, and runs again after the hook's commit; that second run goes to its end even when
+    another hook comes meanwhile. Without `yields`, the hooks wait for it (the same steps, the other order)."""
+    await caught_up(client)
+    store = daemon.store
+    for yields in (True, False):
+        session = f"give-way-{yields}"
+        stopped = [threading.Event(), threading.Event()]  # a run of the body is blocked in its middle
+        going = [threading.Event(), threading.Event()]  # ... and may go on
+        seen: list[int] = []  # the hooks' events each run saw stored
+
+        async def body(db: aiosqlite.Connection, session: str = session, stopped: list[threading.Event] = stopped,
+                       going: list[threading.Event] = going, seen: list[int] = seen) -> int:
+            run = len(seen)
+            seen.append(-1)
+            await db.execute("INSERT INTO checkpoints (name, value, updated) VALUES (?, ?, 0) ON CONFLICT(name)"
+                             " DO UPDATE SET value = value || excluded.value", (session, str(run)))
+            if run < len(stopped):
+                stopped[run].set()
+                going[run].wait(30)  # on the writer's thread, holding the writer, between two statements
+            rows = await db.execute_fetchall("SELECT count(*) FROM events WHERE session_id = ?", (session,))
+            seen[run] = rows[0][0]
+            return run
+
+        async def hook_waits(stop: threading.Event, said: str,
+                             session: str = session) -> asyncio.Task[dict[str, object]]:
+            await until(stop.is_set, "the body to hold the writer")
+            raw = stop_hook(session, said)
+            hook = asyncio.create_task(client.call("hook", event="Stop", agent="claude", raw=raw))
+            await until(lambda: store.write_waiting == 1, "the hook's commit to wait")
+            return hook
+
+        given = store.gave_way
+        write = asyncio.create_task(commit_in_one_trip(store, body, yields=yields))
+        try:
+            first = await hook_waits(stopped[0], "first")
+            assert store.give_way.is_set() is yields
+            going[0].set()
+            if yields:  # the first run gave way: the hook's commit went first; the second run comes
+                assert (await first)["stored"] == 1
+                second = await hook_waits(stopped[1], "second")
+                assert not store.give_way.is_set()  # not asked twice
+                going[1].set()
+                assert await write == 1 and seen == [-1, 1]
+                assert (await second)["stored"] == 1
+            else:  # the hook waited for it
+                assert await write == 0 and seen == [0]
+                assert (await first)["stored"] == 1
+        finally:
+            for event in going:
+                event.set()  # a failure above must not leave the writer held: the daemon could never stop
+        value = await store.scalar("SELECT value FROM checkpoints WHERE name = ?", (session,))
+        assert value == ("1" if yields else "0")  # the run that gave way left nothing
+        assert store.gave_way == given + yields
+        assert await store.scalar("SELECT count(*) FROM events WHERE session_id = ?", (session,)) == 1 + yields
 
 
 async def test_a_waiter_cancelled_as_the_turn_passes_over_it_leaves_the_writer_free() -> None:

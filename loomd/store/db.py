@@ -257,6 +257,16 @@ class Store:
         return self.wal.covered
 
     @property
+    def give_way(self) -> threading.Event:
+        """Set while a hook's commit waits behind a transaction that `yields` (`commit_on_thread`)."""
+        return self._write_lock.give_way
+
+    @property
+    def gave_way(self) -> int:
+        """Transactions that gave way to a hook's commit so far, each run again after it (`status`)."""
+        return self._write_lock.given
+
+    @property
     def write_waiting(self) -> int:
         """Transactions waiting for their turn on the writer."""
         return self._write_lock.waiting
@@ -291,7 +301,7 @@ class Store:
         await self.wal.after_commit()
 
     async def commit_on_thread(self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True,
-                               sync: bool = False, urgent: bool = False) -> tuple[T, int]:
+                               sync: bool = False, urgent: bool = False, yields: bool = False) -> tuple[T, int]:
         """`fn` in a write transaction of its own, BEGIN to COMMIT in one trip to the writer's thread: its
         writer-lock hold, which hooks wait behind, is the statements alone (a trip per statement also waits for the
         event loop's turn each time). Rolled back if `fn` raises, or if the caller is cancelled before its COMMIT
@@ -310,20 +320,31 @@ class Store:
         its sync runs on the writer's thread right after the COMMIT when no other sync is running (`WalSync.sync_here`):
         the writer is held for the fsync too, which the next live commit waits for all the same, and the result comes
         back already durable, in one hand-off.
+        `yields` (background work): if a live hook's commit comes to wait behind this transaction, `fn` stops at its
+        next statement by raising `GaveWay` (`store.trip` does, for `give_way`), the transaction rolls back, the hook's
+        commit takes the writer, and `fn` runs again after it, to its end this time: whatever the traffic, a
+        transaction gives way once at most, and a hook waits for one statement instead of a transaction. `fn` must
+        then be pure statements, as it runs twice.
         Returns fn's result and a mark: once `durable_commits` has passed the mark, the transaction is on disk."""
         abandoned = threading.Event()
         wal = self.wal if durable or sync else None
-        async with self._write_lock.hold(urgent):
-            try:
-                result, number = await on_thread(self.writer, functools.partial(_transaction, fn, abandoned, wal,
-                                                                                urgent))
-            except asyncio.CancelledError:
-                abandoned.set()  # the thread rolls back instead of committing, unless it has committed already
-                raise
-            except DB_ERRORS as exc:
-                if isinstance(exc, DB_BUGS):
+        while True:
+            async with self._write_lock.hold(urgent, yields):
+                try:
+                    result, number = await on_thread(self.writer, functools.partial(_transaction, fn, abandoned, wal,
+                                                                                    urgent))
+                except GaveWay:
+                    self._write_lock.given += 1
+                    yields = False  # its second run goes to its end
+                    continue  # out of the turn first: the hook's commit has it next
+                except asyncio.CancelledError:
+                    abandoned.set()  # the thread rolls back instead of committing, unless it has committed already
                     raise
-                raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
+                except DB_ERRORS as exc:
+                    if isinstance(exc, DB_BUGS):
+                        raise
+                    raise StorageError(f"the database write failed: {describe(exc)}; nothing was written") from exc
+            break
         # Asked for: the sync that covers request `number` covers the commit. Otherwise any request made from now on.
         mark = number - 1 if wal is not None else self.wal.requested
         if durable:
@@ -368,6 +389,10 @@ class Store:
         row = await self.fetchone("SELECT sqlite_version(), vec_version()")
         assert row is not None
         return {"sqlite": row[0], "sqlite_vec": row[1]}
+
+
+class GaveWay(Exception):
+    """A transaction that yields stopped before a statement: a hook's commit waits (`Store.commit_on_thread`)."""
 
 
 class Abandoned(Exception):

@@ -7,18 +7,22 @@ statements, and while the loop serves hooks, the back-fill and the other workers
 observer chunk held the writer 46 ms at the median, up to 480 ms, after an import, and every hook's commit waited
 behind it. `in_one_trip` runs the same coroutine on the connection's thread over the plain sqlite3 handle, where
 every await completes at once: the writer is held for the statements alone.
+
+A transaction that `yields` looks, before each statement, whether a hook's commit waits for the writer
+(`WriteTurns.give_way`): then it stops there (`GaveWay`), rolls back and is run again after the hook.
 """
 
 from __future__ import annotations
 
 import functools
 import sqlite3
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from typing import Any, Generic, TypeVar, cast
 
 import aiosqlite
 
-from loomd.store.db import Store, on_thread
+from loomd.store.db import GaveWay, Store, on_thread
 
 T = TypeVar("T")
 
@@ -66,18 +70,27 @@ class _Executed(_Now[_Cursor]):
 
 
 class _OnThread:
-    """The writer's sqlite3 handle behind aiosqlite's connection interface, for code run by `in_one_trip`."""
+    """The writer's sqlite3 handle behind aiosqlite's connection interface, for code run by `in_one_trip`; with
+    `give_way`, each statement first looks whether it is asked to (`GaveWay`)."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, give_way: threading.Event | None = None) -> None:
         self._conn = conn
+        self._give_way = give_way
+
+    def _check(self) -> None:
+        if self._give_way is not None and self._give_way.is_set():
+            raise GaveWay
 
     def execute(self, sql: str, parameters: Any = ()) -> _Executed:
+        self._check()
         return _Executed(_Cursor(self._conn.execute(sql, parameters)))
 
     async def executemany(self, sql: str, parameters: Iterable[Any]) -> _Cursor:
+        self._check()
         return _Cursor(self._conn.executemany(sql, parameters))
 
     async def execute_fetchall(self, sql: str, parameters: Any = ()) -> list[Any]:
+        self._check()
         return self._conn.execute(sql, parameters).fetchall()
 
 
@@ -85,9 +98,12 @@ class Suspended(RuntimeError):
     """Code run by `in_one_trip` awaited something other than the connection (a sleep, another task)."""
 
 
-def run_through(body: Callable[[aiosqlite.Connection], Awaitable[T]], conn: sqlite3.Connection) -> T:
-    """`body` over `conn`, on the calling thread, to its end (the writer's thread: see `in_one_trip`)."""
-    coro = body(cast(aiosqlite.Connection, _OnThread(conn)))  # the interface its code uses, on the plain handle
+def run_through(body: Callable[[aiosqlite.Connection], Awaitable[T]], conn: sqlite3.Connection, *,
+                give_way: threading.Event | None = None) -> T:
+    """`body` over `conn`, on the calling thread, to its end (the writer's thread: see `in_one_trip`), or to the
+    first statement after `give_way` is set (`GaveWay`)."""
+    # The interface its code uses, on the plain handle.
+    coro = body(cast(aiosqlite.Connection, _OnThread(conn, give_way)))
     if not isinstance(coro, Coroutine):
         raise TypeError(f"not a coroutine: {coro!r}")
     try:
@@ -106,8 +122,12 @@ async def in_one_trip(db: aiosqlite.Connection, body: Callable[[aiosqlite.Connec
     return await on_thread(db, functools.partial(run_through, body))
 
 
-async def commit_in_one_trip(store: Store, body: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
+async def commit_in_one_trip(store: Store, body: Callable[[aiosqlite.Connection], Awaitable[T]], *,
+                             yields: bool = False) -> T:
     """`body` in a write transaction of its own, BEGIN, body and COMMIT in one trip to the writer's thread
-    (`Store.commit_on_thread`): the writer is held for its statements alone."""
-    result, _ = await store.commit_on_thread(functools.partial(run_through, body))
+    (`Store.commit_on_thread`): the writer is held for its statements alone. `yields`: the transaction gives way
+    to a hook's commit, and is run again after it; `body` must then do nothing but its statements (it may run
+    twice, the first time rolled back)."""
+    give_way = store.give_way if yields else None
+    result, _ = await store.commit_on_thread(functools.partial(run_through, body, give_way=give_way), yields=yields)
     return result

@@ -105,14 +105,16 @@ class WorkerContext:
         except _Rollback:
             pass
 
-    async def commit(self, dry_run: bool, body: Callable[[aiosqlite.Connection], Awaitable[T]]) -> T:
+    async def commit(self, dry_run: bool, body: Callable[[aiosqlite.Connection], Awaitable[T]], *,
+                     yields: bool = False) -> T:
         """`body` (output and watermark, awaiting only the connection) as one output transaction in one trip to the
-        writer's thread (`store.trip`): the writer is held for its statements alone. A dry run's is rolled back."""
+        writer's thread (`store.trip`): the writer is held for its statements alone. A dry run's is rolled back.
+        `yields`: it gives way to a hook's commit and runs again after it (`Store.commit_on_thread`)."""
         await self.turn()
         if dry_run:
             async with self.write(dry_run) as db:
                 return await in_one_trip(db, body)
-        return await commit_in_one_trip(self.store, body)
+        return await commit_in_one_trip(self.store, body, yields=yields)
 
 
 async def requested_projects(ctx: WorkerContext, req: RunRequest) -> list[str] | None:

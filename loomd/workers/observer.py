@@ -169,7 +169,9 @@ class Observer:
             return await ctx.commit(dry_run, every_part)
         out: list[list[tuple[int, bool]]] = []
         for part in chunk.parts():
-            written = await ctx.commit(dry_run, part)
+            # The observer's are most of a catch-up's transactions (3.6 ms at the median after an import, 8 at p90),
+            # and only statements: they give way to a hook's commit.
+            written = await ctx.commit(dry_run, part, yields=True)
             if new := new_ids(written):
                 ctx.memories.mark_stale(new)  # for the back-fill
             out.append(written)
