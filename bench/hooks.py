@@ -37,8 +37,9 @@ first fsync, its threads' first wake-ups) apart from what the background work ad
 
 Every daemon-up report has `writer_holds`: per holder (live hook commits, import slices, each worker, the
 back-fill), how long its transactions held the one writer connection (`status`'s `writer`), which a hook's
-commit waits behind; and `collector`: Python's collections in the daemon (each stops the event loop too), how many and
-the longest by generation.
+commit waits behind, and `writer_gave_way`, how many background transactions gave way to a hook's commit (rolled
+back, run again after it); and `collector`: Python's collections in the daemon (each stops the event loop too), how
+many and the longest by generation.
 
     python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
                           [--gap-ms MS] [--daemon-config KEY=VALUE ...] [--background-import N]
@@ -653,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
                     report["up"]["daemon_counts"] = status.get("counts")
                     report["up"]["spool_backlog"] = status.get("spool_backlog")
                     report["up"]["writer_holds"] = (status.get("writer") or {}).get("holds")
+                    report["up"]["writer_gave_way"] = (status.get("writer") or {}).get("gave_way")
                     # Python's collections in the daemon, each a stop of its every thread (`memory.CollectorPauses`).
                     report["up"]["collector"] = (status.get("memory") or {}).get("collector")
                     report["up"]["split"] = split(report["up"]["events"], up["python_floor"], status.get("service"))

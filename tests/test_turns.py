@@ -118,6 +118,7 @@ async def test_a_yielding_transaction_gives_way_to_a_hooks_commit_once(daemon: D
         value = await store.scalar("SELECT value FROM checkpoints WHERE name = ?", (session,))
         assert value == ("1" if yields else "0")  # the run that gave way left nothing
         assert store.gave_way == given + yields
+        assert (await client.call("status"))["writer"]["gave_way"] == store.gave_way
         assert await store.scalar("SELECT count(*) FROM events WHERE session_id = ?", (session,)) == 1 + yields
 
 
