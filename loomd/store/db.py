@@ -222,6 +222,7 @@ class Store:
         # shared reader a hook's recall queued behind them (a UserPromptSubmit answered in 100 ms during a catch-up).
         self.background = background
         self._write_lock = WriteTurns()
+        self.gave_way = 0  # transactions that gave way to a hook's commit so far, each run again after it (`status`)
         self.wal = WalSync(path)  # the log's fsyncs, shared by the commits that wait for the disk
 
     @classmethod
@@ -260,11 +261,6 @@ class Store:
     def give_way(self) -> threading.Event:
         """Set while a hook's commit waits behind a transaction that `yields` (`commit_on_thread`)."""
         return self._write_lock.give_way
-
-    @property
-    def gave_way(self) -> int:
-        """Transactions that gave way to a hook's commit so far, each run again after it (`status`)."""
-        return self._write_lock.given
 
     @property
     def write_waiting(self) -> int:
@@ -334,7 +330,7 @@ class Store:
                     result, number = await on_thread(self.writer, functools.partial(_transaction, fn, abandoned, wal,
                                                                                     urgent))
                 except GaveWay:
-                    self._write_lock.given += 1
+                    self.gave_way += 1
                     yields = False  # its second run goes to its end
                     continue  # out of the turn first: the hook's commit has it next
                 except asyncio.CancelledError:

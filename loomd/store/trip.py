@@ -128,6 +128,8 @@ async def commit_in_one_trip(store: Store, body: Callable[[aiosqlite.Connection]
     (`Store.commit_on_thread`): the writer is held for its statements alone. `yields`: the transaction gives way
     to a hook's commit, and is run again after it; `body` must then do nothing but its statements (it may run
     twice, the first time rolled back)."""
-    give_way = store.give_way if yields else None
-    result, _ = await store.commit_on_thread(functools.partial(run_through, body, give_way=give_way), yields=yields)
+    # `give_way` is set only while a holder that yields has a hook's commit behind it: a transaction that does not
+    # yield never sees it set.
+    result, _ = await store.commit_on_thread(functools.partial(run_through, body, give_way=store.give_way),
+                                             yields=yields)
     return result

@@ -76,7 +76,6 @@ class WriteTurns:
         self.holds = Durations()
         # Set on the loop, read on the writer's thread between two statements of a yielding holder's transaction.
         self.give_way = threading.Event()
-        self.given = 0  # transactions that gave way (`status`)
 
     @property
     def waiting(self) -> int:
