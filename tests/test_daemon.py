@@ -437,11 +437,14 @@ def many_copies() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         if n % 11 == 0:
             batch.append(prompt(sid, "continue", 1_700_000_000 + n + 0.2, "transcript"))
     batch.append(ev("s-b", "SessionEnd", {"reason": "other"}, 1_700_000_100.0))
+    # The hook copies of a call stored before, last and late by their own clock: a copy leaves the session's row
+    # as it was (its last_seen is its last stored event's).
+    batch += [{**e, "ts": 1_700_000_200.0} for e in call("s-a", 1, "hook")]
     return before, batch
 
 
 async def test_a_group_commit_stores_what_one_commit_an_event_stores(monkeypatch, home) -> None:
-    """The writer inserts a commit's events a run at a time (one lookup of the copies, an INSERT of many rows):
+    """The writer inserts a commit's events a run at a time (an INSERT of many rows that leaves out the copies):
     the same rows, ids, copies skipped and session rows as committing the events one by one."""
     before, batch = many_copies()
     assert len(batch) > 100
@@ -471,6 +474,7 @@ async def test_a_group_commit_stores_what_one_commit_an_event_stores(monkeypatch
     assert kinds.count("assistant_message") == 2 and len(rows) == 97 == len({r[1] for r in rows})
     assert len(ids) == len(batch) and sum(i is not None for i in ids) == len(rows) - len(before)
     assert [s[1] for s in sessions] == [PROJECT_W] * 3  # s-c first seen as "unknown"
+    assert [s[3] for s in sessions] == [max(r[6] for r in rows if r[2] == s[0]) for s in sessions]
     assert [s[0] for s in sessions if s[4] is not None] == ["s-b"]
     assert len(rows) == len(set(r[1] for r in rows))
     assert [s[1] for s in sessions] == [PROJECT_W, PROJECT_W, PROJECT_W]
