@@ -452,27 +452,13 @@ def _insert_sql(rows: int, unless_copied: bool) -> str:
             " AND e.dedup IS NOT NULL)")
 
 
-LOOKUP_LISTED = 8  # copies looked up with their pairs in the statement's text up to this many; more, in a JSON list
-
-
-@functools.cache
-def _copies_sql(pairs: int) -> str:
-    return ("SELECT session_id, dedup FROM events WHERE dedup IS NOT NULL AND ("
-            + " OR ".join(["(session_id = ? AND dedup = ?)"] * pairs) + ")")
-
-
 def _stored_copies(conn: sqlite3.Connection, pairs: list[tuple[str, str]]) -> set[tuple[str, str]]:
-    """Which (session, dedup) pairs a stored event has, in one query: a few pairs written into its text, many in a
-    JSON list (one statement text for any number)."""
-    if not pairs:
-        return set()
-    if len(pairs) <= LOOKUP_LISTED:
-        rows = conn.execute(_copies_sql(len(pairs)), [value for pair in pairs for value in pair]).fetchall()
-    else:
-        rows = conn.execute(
-            "SELECT e.session_id, e.dedup FROM json_each(?) AS j JOIN events AS e"
-            " ON e.session_id = j.value ->> 0 AND e.dedup = j.value ->> 1 AND e.dedup IS NOT NULL",
-            (json.dumps(pairs),)).fetchall()
+    """Which (session, dedup) pairs a stored event has, in one query (one statement text for any number of pairs).
+    Only a commit where some row was not stored asks (`_insert_run`)."""
+    rows = conn.execute(
+        "SELECT e.session_id, e.dedup FROM json_each(?) AS j JOIN events AS e"
+        " ON e.session_id = j.value ->> 0 AND e.dedup = j.value ->> 1 AND e.dedup IS NOT NULL",
+        (json.dumps(pairs),)).fetchall()
     return {(row[0], row[1]) for row in rows}
 
 
