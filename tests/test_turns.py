@@ -12,7 +12,7 @@ from conftest import caught_up
 
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
-from loomd.ingest.writer import BACKGROUND_EVERY_S, BACKGROUND_SLICE_S, YIELD_MAX_S, LiveTraffic
+from loomd.ingest.writer import ALONE_AFTER_S, BACKGROUND_EVERY_S, BACKGROUND_SLICE_S, YIELD_MAX_S, LiveTraffic
 from loomd.store.trip import commit_in_one_trip
 from loomd.store.turns import HOLDS_KEPT, Durations, WriteTurns
 
@@ -204,6 +204,18 @@ def test_an_unbroken_stream_of_hooks_gives_background_work_short_slices_after_a_
     # Many short slices, no long turn.
     assert len(runs) >= int(3.0 / BACKGROUND_EVERY_S) and max(runs) <= BACKGROUND_SLICE_S
     assert not live.busy(last_event := t0 + 20.0) and not live.busy(last_event + 0.1)  # quiet: free at once
+
+
+def test_a_live_event_comes_alone_only_well_after_the_one_before_it() -> None:
+    """An agent's hooks, each a process started after the last one ended, come alone (their commits sync where they
+    ran); events that come together, from many agents or a replay, do not (the sync thread syncs them)."""
+    live, now = LiveTraffic(), 1000.0
+    live.arrived(now)
+    assert live.alone  # the first one
+    for gap, alone in ((0.012, True), (0.0004, False), (0.0009, False), (ALONE_AFTER_S + 1e-4, True), (0.001, False)):
+        now += gap
+        live.arrived(now)
+        assert live.alone is alone, gap
 
 
 def test_durations_keep_the_last_values_of_each_key_in_a_fixed_ring() -> None:

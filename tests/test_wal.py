@@ -7,6 +7,8 @@ import sqlite3
 import threading
 import time
 
+import pytest
+
 from loomd.store.db import Store
 
 
@@ -84,10 +86,26 @@ async def test_the_writers_thread_asks_for_the_sync_so_it_begins_while_the_loop_
     await store.wal.wait(mark + 1)
 
 
-async def test_a_lone_live_commit_is_synced_on_the_writers_thread_and_comes_back_durable(store: Store) -> None:
+async def test_a_hooks_commit_runs_on_the_event_loops_thread_and_the_sync_thread_makes_it_durable(
+        store: Store) -> None:
+    await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
+    threads: list[int] = []
+
+    def hook(conn: sqlite3.Connection) -> None:
+        threads.append(threading.get_ident())
+        conn.execute("INSERT INTO wal_probe (key, value) VALUES ('hook', 'hook')")
+
+    _, mark = await store.commit_on_thread(hook, durable=False, sync=True, urgent=True)
+    assert threads == [threading.get_ident()]  # the loop's own thread: no trip to the writer's
+    await asyncio.wait_for(store.wal.wait(mark + 1), 30)  # the sync it asked for ran on the sync thread
+    assert [t for t in threading.enumerate() if t.name == "loomd-wal-sync"]
+    assert [r[0] for r in await store.fetchall("SELECT key FROM wal_probe")] == ["hook"]
+
+
+async def test_a_hook_that_came_alone_is_synced_where_it_committed_and_comes_back_durable(store: Store) -> None:
     create = "CREATE TABLE IF NOT EXISTS wal_probe (key, value)"
     for body in (lambda conn: conn.execute(create), insert("hook")):
-        _, mark = await store.commit_on_thread(body, durable=False, sync=True, urgent=True)
+        _, mark = await store.commit_on_thread(body, durable=False, sync=True, urgent=True, alone=True)
         assert store.durable_commits > mark  # on disk as it comes back: no wait for a sync thread's call
     # ... and no sync thread was ever woken for them (asked to sync, the store starts one).
     assert not [t for t in threading.enumerate() if t.name == "loomd-wal-sync"]
@@ -95,22 +113,62 @@ async def test_a_lone_live_commit_is_synced_on_the_writers_thread_and_comes_back
     await store.wal.wait(mark + 1)
 
 
-async def test_a_sync_on_the_writers_thread_also_resolves_the_commits_waiting_before_it(store: Store) -> None:
+async def test_a_cancelled_transaction_ends_on_the_writers_thread_before_a_hooks_commit_runs(store: Store) -> None:
+    """The writer is passed on only once the writer's thread is done with what its holder queued there: a hook's
+    commit, on the loop's thread, must never run inside (or beside) a transaction still open on the other."""
     await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
-    gate = threading.Event()
-    store.wal.run_on_thread(gate.wait)  # the sync thread held up: it syncs nothing until the gate opens
+    inside, gate = threading.Event(), threading.Event()
+
+    def slow(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO wal_probe (key, value) VALUES ('cancelled', 'a')")
+        inside.set()
+        gate.wait(30)  # still inside its transaction when its caller is cancelled
+        conn.execute("INSERT INTO wal_probe (key, value) VALUES ('cancelled', 'b')")
+
+    background = asyncio.create_task(store.commit_on_thread(slow))
     try:
-        waiting = asyncio.create_task(store.commit_on_thread(insert("worker")))  # durable: waits for a sync
-        for _ in range(1000):
-            if store.wal.pending:
-                break
-            await asyncio.sleep(0.005)
-        assert not waiting.done()
-        # A hook's commit with no sync running syncs the log itself; that fsync began after the first COMMIT too.
-        await asyncio.wait_for(store.commit_on_thread(insert("hook"), durable=False, sync=True, urgent=True), 30)
-        await asyncio.wait_for(waiting, 30)  # resolved although the sync thread still waits at the gate
-        assert not gate.is_set()
+        assert await asyncio.to_thread(inside.wait, 30)
+        background.cancel()
+        hook = asyncio.create_task(store.commit_on_thread(insert("hook"), durable=False, sync=True, urgent=True))
+        await asyncio.sleep(0.3)
+        assert not hook.done()  # the cancelled transaction is still open on the writer's thread
     finally:
         gate.set()
-    rows = await store.fetchall("SELECT key FROM wal_probe ORDER BY key")
-    assert [r[0] for r in rows] == ["hook", "worker"]
+    await asyncio.wait_for(hook, 30)  # after its ROLLBACK: BEGIN on the loop's thread found no transaction open
+    with pytest.raises(asyncio.CancelledError):
+        await background
+    assert [r[0] for r in await store.fetchall("SELECT key FROM wal_probe")] == ["hook"]
+
+
+async def test_an_atomic_transaction_cancelled_twice_rolls_back_before_a_hooks_commit_runs(store: Store) -> None:
+    """A second cancellation while its ROLLBACK waits behind a slow statement: the writer still is not passed on
+    before that ROLLBACK has run (`asyncio.shield` returned at once, and a hook's commit met the open transaction)."""
+    await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
+    inside, gate = threading.Event(), threading.Event()
+
+    def slow() -> int:
+        inside.set()
+        gate.wait(30)
+        return 1
+
+    store.writer._conn.create_function("slow", 0, slow)  # noqa: SLF001 - a statement that runs as long as the test wants
+
+    async def atomic() -> None:
+        async with store.atomic() as db:
+            await db.execute("INSERT INTO wal_probe (key, value) VALUES ('atomic', slow())")
+
+    task = asyncio.create_task(atomic())
+    try:
+        assert await asyncio.to_thread(inside.wait, 30)
+        task.cancel()  # its ROLLBACK queues behind the slow INSERT
+        await asyncio.sleep(0.05)
+        task.cancel()  # and it is cancelled again while it waits for it
+        hook = asyncio.create_task(store.commit_on_thread(insert("hook"), durable=False, sync=True, urgent=True))
+        await asyncio.sleep(0.3)
+        assert not hook.done()
+    finally:
+        gate.set()
+    await asyncio.wait_for(hook, 30)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [r[0] for r in await store.fetchall("SELECT key FROM wal_probe")] == ["hook"]

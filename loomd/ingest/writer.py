@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 
 # A processor runs inside the commit transaction with the freshly stored events (capture rules, a tailer's offset), on
-# the writer's thread (`store.trip.run_through`): it awaits nothing but the connection and touches nothing the event
-# loop owns; what it has for the loop waits for a listener.
+# the writer's thread or, in a live commit, the event loop's (`store.trip.run_through`): it awaits nothing but the
+# connection and touches nothing the event loop owns; what it has for the loop waits for a listener.
 Processor = Callable[[aiosqlite.Connection, Sequence[Event]], Awaitable[None]]
 # A listener runs after the commit, outside the transaction, on the loop (wake workers, start tailers).
 Listener = Callable[[Sequence[Event]], None]
@@ -80,6 +80,10 @@ LIVE_QUIET_S = 0.5
 # slices above: those cut an import's commits, these give background work its time.
 YIELD_MAX_S = 10.0
 BACKGROUND_SLICE_S, BACKGROUND_EVERY_S = 0.05, 0.3
+# A live event that came this long after the one before it came alone (an agent's hooks are processes started one after
+# another, 10 ms and more apart; hooks that come together, from many agents or a replay, are under a millisecond
+# apart): its commit syncs the log right where it ran (`Store.commit_on_thread`, `alone`).
+ALONE_AFTER_S = 0.005
 
 
 class LiveTraffic:
@@ -87,10 +91,12 @@ class LiveTraffic:
 
     def __init__(self) -> None:
         self.last = -math.inf  # monotonic time of the last live submission
+        self.alone = False  # the last one came ALONE_AFTER_S or more after the one before it
         self._streak: float | None = None  # since when live events have arrived without a pause
 
     def arrived(self, now: float | None = None) -> None:
-        self.last = time.monotonic() if now is None else now
+        now = time.monotonic() if now is None else now
+        self.alone, self.last = now - self.last >= ALONE_AFTER_S, now
 
     def busy(self, now: float | None = None) -> bool:
         """True while live events arrive (none has paused LIVE_QUIET_S); after YIELD_MAX_S of an unbroken stream,
@@ -223,7 +229,7 @@ class EventWriter:
         failed: dict[int, Exception] = {}
         number: int | None = None  # the log's sync that makes the group commit durable
         try:
-            number = await self._commit(batch)
+            number = await self._commit(batch, alone=size == 1 and self.live.alone)
         except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
             failed = await self._commit_apart(batch, exc)
         await self._acknowledge(batch, failed, self._queue,
@@ -273,7 +279,7 @@ class EventWriter:
         unsynced: Exception | None = None
         if len(failed) < len(batch):
             try:
-                # The sync its writer's thread asked for (`number`); after a commit apart, one asked for now.
+                # The sync its commit asked for (`number`); after a commit apart, one asked for now.
                 await (self.store.wal.after_commit() if number is None else self.store.wal.wait(number))
             except StorageError as exc:
                 log.error("%d event(s) committed, but the log's sync failed; none of them was acknowledged: %s",
@@ -320,15 +326,16 @@ class EventWriter:
         return failed
 
     async def _commit(self, batch: list[Batch], events: list[Event] | None = None, *, derive: bool = True,
-                      final: bool = True, urgent: bool = True) -> int:
+                      final: bool = True, urgent: bool = True, alone: bool = False) -> int:
         """`events` (default: the batch's) in one transaction, with each submitter's `also` when `final`; `urgent`
         (live submitters) before the workers' and the back-fill's waiting transactions. Committed without waiting
         for the disk: the submitters are acknowledged after the log's sync (`_acknowledge`).
 
-        BEGIN to COMMIT in one trip to the writer's thread (`Store.commit_on_thread`): the inserts, the processors
-        and the `also`s. A trip per step (BEGIN, the inserts, each capture statement, COMMIT) waited each time for
-        the event loop's turn, busy parsing the next hooks, while the commit held the writer. Returns the number of
-        the log's sync that makes it durable (`WalSync.wait`)."""
+        BEGIN to COMMIT without a pause (`Store.commit_on_thread`: a live commit on the event loop's thread, a bulk
+        slice in one trip to the writer's thread): the inserts, the processors and the `also`s. A trip per step
+        (BEGIN, the inserts, each capture statement, COMMIT) waited each time for the event loop's turn, busy parsing
+        the next hooks, while the commit held the writer. Returns the number of the log's sync that makes it durable
+        (`WalSync.wait`). `alone`: a live event that came alone, synced where it was committed (`ALONE_AFTER_S`)."""
         if events is None:
             events = [e for item in batch for e in item.events]
         HOLDER.set("events:live" if urgent else "events:bulk")  # the writer task's own context
@@ -336,8 +343,8 @@ class EventWriter:
         body = functools.partial(write_events, events=events, now=time.time(),
                                  processors=self.processors if derive else [], after=after)
         # A commit whose submitters are acknowledged after it (a live one, a bulk batch's last slice) asks for the
-        # log's sync on the writer's thread, at once; the others are covered by a later one (the log is append-only).
-        stored, mark = await self.store.commit_on_thread(body, durable=False, sync=final, urgent=urgent)
+        # log's sync right after its COMMIT; the others are covered by a later one (the log is append-only).
+        stored, mark = await self.store.commit_on_thread(body, durable=False, sync=final, urgent=urgent, alone=alone)
         self.committed += len(stored)
         self.commits += 1
         return mark + 1
@@ -351,8 +358,8 @@ def outside(roots: tuple[str, ...], events: list[Event]) -> list[Event]:
 
 def write_events(conn: sqlite3.Connection, events: Sequence[Event], now: float, processors: Sequence[Processor],
                  after: Sequence[tuple[Processor, Sequence[Event]]]) -> list[Event]:
-    """One commit's body on the writer's thread, inside its transaction: the events (`insert_events`), the processors
-    on those stored now (a processor's failure raises ProcessorFailed), then each submitter's `also`."""
+    """One commit's body, inside its transaction (`Store.commit_on_thread`): the events (`insert_events`), the
+    processors on those stored now (a processor's failure raises ProcessorFailed), then each submitter's `also`."""
     stored = insert_events(conn, events, now)
     for processor in processors:
         try:
@@ -369,14 +376,15 @@ def _call(processor: Processor, db: aiosqlite.Connection, events: Sequence[Event
 
 
 def insert_events(conn: sqlite3.Connection, events: Sequence[Event], now: float) -> list[Event]:
-    """Insert the events not stored yet and upsert their sessions (on the writer's thread, inside the caller's
-    transaction); returns those stored now, each with its id.
+    """Insert the events not stored yet and upsert their sessions (inside the caller's transaction); returns those
+    stored now, each with its id.
 
-    In few statements, not two or three an event: on the writer's thread each statement hands the interpreter lock
-    back and waits to take it again, and while the event loop parses the next hooks every such wait is long (the
-    ingest bench, 8 clients: 140 µs of CPU and 230 of wall time an event in here, against 80 with nothing else
-    running). So the events go a run at a time (`_insert_run`: an INSERT of many rows that leaves out the copies
-    itself); a prompt, which pairs with one copy at most (`is_prompt_copy`), goes alone, in its place.
+    In few statements, not two or three an event: on the writer's thread (a bulk slice's, and before stop 49 a live
+    commit's) each statement hands the interpreter lock back and waits to take it again, and while the event loop parses
+    the next hooks every such wait is long (the ingest bench, 8 clients: 140 µs of CPU and 230 of wall time an event in
+    here, against 80 with nothing else running). So the events go a run at a time (`_insert_run`: an INSERT of many rows
+    that leaves out the copies itself); a prompt, which pairs with one copy at most (`is_prompt_copy`), goes alone, in
+    its place.
 
     The sessions' rows are upserted in one statement, each with what its events would have left there one by one (an
     import's slice is hundreds of events of one session, a group commit of 8 hooks up to 8 sessions). A live group
