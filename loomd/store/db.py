@@ -331,14 +331,14 @@ class Store:
         it apart, `wal.wait(mark + 1)`). Either way the committing thread asks for it right after the COMMIT, so the
         fsync begins without waiting for the event loop's turn.
         `urgent`: the transaction goes before the waiting ones that are not (a live hook's commit, `WriteTurns`), and
-        runs right here, on the event loop's thread, BEGIN to COMMIT without a pause (the sync is the sync thread's,
-        as ever). On the writer's thread each statement gave the interpreter lock back and waited to take it again
-        from the event loop, busy parsing the next hooks meanwhile; a live commit's statements are short, and the
-        loop would only wait for them (the ingest bench, 8 clients, paired runs: 2,000 -> 2,117 and 1,977 -> 2,294
-        events/s, the daemon's CPU 0.47 -> 0.43 ms an event). Safe because the writer's thread is idle whenever the
-        writer is free: every way out of a turn waits for what it queued there to end (`to_its_end`). Its BEGIN does
-        not wait for another process's lock (`_begin_now`): while one is held, it goes to the writer's thread, which
-        waits there (`busy_timeout_ms`) while the loop goes on answering.
+        runs right here, on the event loop's thread, BEGIN to COMMIT without a pause (the sync is the sync thread's, as
+        ever). On the writer's thread each statement gave the interpreter lock back and waited to take it again from the
+        event loop, busy parsing the next hooks meanwhile; a live commit's statements are short, and the loop would only
+        wait for them (`bench/ingest.py`, full daemon, 8 clients, five alternating pairs: 1,871-2,181 -> 2,102-2,343
+        events/s, the daemon's CPU 0.42-0.48 -> 0.41-0.44 ms an event). Safe because the writer's thread is idle
+        whenever the writer is free: every way out of a turn waits for what it queued there to end (`to_its_end`). Its
+        BEGIN does not wait for another process's lock (`_begin_now`): while one is held, it goes to the writer's
+        thread, which waits there (`busy_timeout_ms`) while the loop goes on answering.
         `alone` (urgent, a hook that came alone): its sync runs right here too when none is running
         (`WalSync.sync_here`), and the result comes back already durable, without the sync thread's two hand-offs.
         `yields` (background work): if a live hook's commit comes to wait behind this transaction, `fn` stops at its

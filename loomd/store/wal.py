@@ -11,7 +11,7 @@ the disk as well as in the transaction), and their statements run while the disk
 
 A committer asks for a sync right after its COMMIT, on the thread that committed (`request`), and gets a number;
 the sync thread takes every request made so far, runs one fsync and covers them all (`covered`); the committer
-waits until `covered` reaches its number (`wait`). The writer's thread asks itself, at the end of its trip: the
+waits until `covered` reaches its number (`wait`). The committing thread asks itself, at the end of its trip: the
 fsync begins without waiting for the event loop's turn, and the loop never hands the sync thread its work (a trip
 through a thread pool and its futures on every commit, on the loop that frames every hook).
 
