@@ -17,10 +17,10 @@ through a thread pool and its futures on every commit, on the loop that frames e
 
 A hook's commit runs on the event loop's thread (`Store.commit_on_thread`, urgent) and asks there. A hook that came
 alone (no other live event just before it) is synced right there, when no sync is running (`sync_here`): the sync
-thread's wake-up and its call back to the loop are two of a hook's hand-offs between threads, each 0.2-0.3 ms on a
-busy 2-CPU VM, about as long as the fsync itself. Not while hooks arrive together: the loop, waiting for the disk,
-would stop framing them, and every group commit became one event (the ingest bench, 8 clients, 2,100 -> 1,250
-events/s).
+thread's wake-up and its call back to the loop are two of a hook's hand-offs between threads, each 0.2-0.3 ms on an
+idle 2-CPU VM, about as long as the fsync itself (closing note, stop 41). Not while hooks arrive together: the loop,
+waiting for the disk, would stop framing them, and every group commit became one event (the ingest bench, 8 clients,
+2,100 -> 1,250 events/s).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class WalSync:
                 with self._lock:
                     after, upto = self.covered, self.requested  # each of these commits ended before the fsync begins
                 if upto <= after:
-                    continue  # a sync begun after these requests covered them, and told the loop
+                    continue  # a sync on a committer's thread covered them (`sync_here`), and told the loop
                 self._sync_covering(after, upto)
             loop = self._loop
             if loop is not None:
