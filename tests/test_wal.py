@@ -172,3 +172,38 @@ async def test_an_atomic_transaction_cancelled_twice_rolls_back_before_a_hooks_c
     with pytest.raises(asyncio.CancelledError):
         await task
     assert [r[0] for r in await store.fetchall("SELECT key FROM wal_probe")] == ["hook"]
+
+
+async def test_no_commit_checkpoints_the_log_the_checkpoint_thread_does_after_the_syncs(store: Store) -> None:
+    """SQLite's own checkpoint runs inside the commit that takes the log past 1,000 pages: on the event loop's thread
+    for a hook's commit, which it would stop for the whole copy. The writer never runs one; the checkpoint thread
+    copies the log into the database file once the commits' sync has run."""
+    db, wal = store.path, store.path.with_name(store.path.name + "-wal")
+    await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
+    for _ in range(3000):  # the checkpoint its sync asked for
+        if store.checkpoints.runs:
+            break
+        await asyncio.sleep(0.01)
+    gate = threading.Event()
+    store.wal.run_on_thread(gate.wait)  # the sync thread held: no sync, so no checkpoint is asked for yet
+    try:
+        size = db.stat().st_size
+        blob = b"x" * 3000  # a page of the log each: 2,000 pages, twice the line SQLite checkpoints at by itself
+        for n in range(2000):
+            await store.commit_on_thread(lambda conn, n=n: conn.execute(
+                "INSERT INTO wal_probe (key, value) VALUES (?, ?)", (str(n), blob)), durable=False, sync=True,
+                urgent=True)
+        assert wal.stat().st_size > 2000 * 3000 and db.stat().st_size == size  # no commit copied anything
+    finally:
+        gate.set()
+    for _ in range(3000):
+        if db.stat().st_size > 2000 * 3000:
+            break
+        await asyncio.sleep(0.01)
+    assert db.stat().st_size > 2000 * 3000  # after the sync, the checkpoint thread copied the log into the file
+    assert [t for t in threading.enumerate() if t.name == "loomd-wal-checkpoint"]
+    for _ in range(3000):
+        if store.checkpoints.status()["frames_left"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert store.checkpoints.status()["frames_left"] == 0 and store.checkpoints.failed == 0

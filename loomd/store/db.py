@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from loomd.errors import ExtensionError, StorageError
+from loomd.store.checkpoint import Checkpoints
 from loomd.store.migrations import MIGRATIONS
 from loomd.store.turns import Durations, WriteTurns
 from loomd.store.wal import WalSync
@@ -240,7 +241,9 @@ class Store:
         self.background = background
         self._write_lock = WriteTurns()
         self.gave_way = 0  # transactions that gave way to a hook's commit so far, each run again after it (`status`)
-        self.wal = WalSync(path)  # the log's fsyncs, shared by the commits that wait for the disk
+        # The log's checkpoints, off the writer (which never runs one: `open`), after the commits' syncs.
+        self.checkpoints = Checkpoints(functools.partial(connect_sync, path, busy_timeout_ms=busy_timeout_ms))
+        self.wal = WalSync(path, synced=self.checkpoints.due)  # the log's fsyncs, shared by the commits waiting
 
     @classmethod
     async def open(cls, path: Path, *, busy_timeout_ms: int = 5000) -> Store:
@@ -249,6 +252,9 @@ class Store:
         # Each commit is made durable by a sync of the log after it, outside the writer's turn (`store.wal`): the
         # COMMIT itself does not wait for the disk (a PRAGMA each way around every transaction cost two statements).
         conn.execute("PRAGMA synchronous = NORMAL")
+        # Its checkpoints run on a thread of their own (`store.checkpoint`), never inside a commit: a hook's commit
+        # runs on the event loop's thread, which a checkpoint there would stop for the whole copy.
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
         writer = aiosqlite.Connection(lambda: conn, 64)
         try:
             await writer
@@ -286,6 +292,7 @@ class Store:
 
     async def close(self) -> None:
         async with self._write_lock.hold():
+            await asyncio.to_thread(self.checkpoints.close)
             await self.background.close()
             await self.reader.close()
             await self.writer.close()
@@ -375,6 +382,8 @@ class Store:
             break
         # Asked for: the sync that covers request `number` covers the commit. Otherwise any request made from now on.
         mark = number - 1 if wal is not None else self.wal.requested
+        if wal is None:
+            self.checkpoints.due()  # no sync tells it of these frames
         if durable:
             await self.wal.wait(number)
         return result, mark

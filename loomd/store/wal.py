@@ -39,8 +39,9 @@ from loomd.errors import StorageError
 class WalSync:
     """fsyncs of one database's log file, each shared by every commit that asked for one before it began."""
 
-    def __init__(self, db: Path) -> None:
+    def __init__(self, db: Path, synced: Callable[[], object] = lambda: None) -> None:
         self.db = db
+        self.synced = synced  # told after each sync that covered a commit (the checkpoints: `store.checkpoint`)
         self.wal = db.with_name(db.name + "-wal")
         self.requested = 0  # requests made (each by a commit that had ended): the next one gets requested + 1
         self.covered = 0  # every request up to this number is on disk (a sync begun after it ended)
@@ -175,6 +176,7 @@ class WalSync:
             self.syncs += 1
             with self._lock:
                 self.covered = max(self.covered, upto)
+            self.synced()
 
     def _deliver(self) -> None:
         """On the loop: resolve the waiters the last syncs covered, fail those of a failed one."""
