@@ -151,8 +151,10 @@ class Ops:
         event = await self.s.writer.parser.hook(a["agent"], a["event"], a["raw"], a["eid"],
                                                 max_chars=self.s.config().max_tool_output_chars,
                                                 now=sent_at(a["sent_at"]))
-        # The context is read while the event commits; the reply (the ack) still waits for the commit.
-        written = await self.s.writer.enqueue([event])
+        # The context is read while the event commits; the reply (the ack) still waits for the commit. A hook with
+        # nothing to read is committed right here when it came alone (`EventWriter.enqueue`, `here`).
+        reads = a["context"] and self.s.planner.reads(event)
+        written = await self.s.writer.enqueue([event], here=not reads)
         try:
             if a["context"]:
                 stdout = await self.s.planner.for_hook(

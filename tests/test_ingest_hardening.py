@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -283,7 +283,19 @@ def fill(path: Path) -> None:
             os.fsync(fh.fileno())
 
 
-async def test_a_full_disk_loses_nothing_silently(tiny_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+# A hook with context to read is committed by the writer's task, one without in its own (`EventWriter.enqueue`, `here`):
+# both ways count what they could not store.
+FULL_DISK_HOOKS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "UserPromptSubmit": lambda i: {"session_id": "full", "cwd": CWD, "hook_event_name": "UserPromptSubmit",
+                                   "prompt": f"prompt {i} " + "x" * 15_000},
+    "Stop": lambda i: {"session_id": "full", "cwd": CWD, "hook_event_name": "Stop",
+                       "last_assistant_message": f"answer {i} " + "x" * 15_000},
+}
+
+
+@pytest.mark.parametrize("kind", list(FULL_DISK_HOOKS))
+async def test_a_full_disk_loses_nothing_silently(tiny_disk: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  kind: str) -> None:
     from loomd.installer.doctor import run_checks
 
     monkeypatch.setenv("LOOMD_EMBEDDER", "none")
@@ -292,8 +304,7 @@ async def test_a_full_disk_loses_nothing_silently(tiny_disk: Path, monkeypatch: 
         fill(home / "filler")
         sent = 12
         for i in range(sent):
-            await shim(home, "UserPromptSubmit", {"session_id": "full", "cwd": CWD, "hook_event_name":
-                                                  "UserPromptSubmit", "prompt": f"prompt {i} " + "x" * 15_000})
+            await shim(home, kind, FULL_DISK_HOOKS[kind](i))
         status = (await client.call("status"))["storage"]
         stored = (await client.call("stats"))["counts"]["events"]
         # Every event not stored is counted (the shim's spool is on the same full disk: it could not save them).

@@ -93,6 +93,14 @@ class Planner:
             return ""
         return hook_output(event.kind, text)
 
+    def reads(self, event: Event) -> bool:
+        """Whether the context of this SessionStart / UserPromptSubmit hook reads the store: a start block does; a
+        prompt only when it asks something memory can answer (`asked`), which most do not."""
+        if event.kind == "UserPromptSubmit":
+            prompt = event.payload.get("prompt")
+            return isinstance(prompt, str) and asked(prompt) is not None
+        return event.kind == "SessionStart"
+
     async def _for_hook(self, event: Event, written: Awaitable[Any] | None) -> str:
         if event.kind == "SessionStart":
             if event.payload.get("source") == "compact":
@@ -248,8 +256,8 @@ class Planner:
         `inline`: the hybrid search, waited for. Otherwise the keyword recall now and the hybrid search as a
         follow-up for the next tool result (when vectors can answer at all), within what the hook's block left of
         the prompt's budget."""
-        said = clean_user_text(prompt)  # what the user asked, not a slash command's echo or the IDE's note
-        if is_trivial(said) or not asks_memory(said):
+        said = asked(prompt)
+        if said is None:
             self._drop_follow_up(session_id)
             return "", []
         cfg = self.config()
@@ -280,6 +288,15 @@ class Planner:
                                  **(keyword if keyword_only else {"tuning": {"ending": 0}}))
         hits = [h for h in hits if _foreign(h.memory, session_id)]
         return [_recall_line(h.memory) for h in recalled(hits, cfg.prompt_min_score, prompt)]
+
+
+@functools.lru_cache(maxsize=4)  # a hook's prompt is asked about twice: whether its context reads, then its recall
+def asked(prompt: str) -> str | None:
+    """What the user asked in `prompt` (not a slash command's echo or the IDE's note), if it asks something memory
+    can answer (`relevance.asks_memory`); else None: the prompt gets no recall."""
+    said = clean_user_text(prompt)
+    return None if is_trivial(said) or not asks_memory(said) else said
+
 
 async def _durable(written: Awaitable[Any] | None) -> None:
     """Wait for the event's own write, shielded: a context deadline must never cancel an event's write."""
