@@ -212,7 +212,7 @@ class EventWriter:
                 self._ready.clear()
                 await self._ready.wait()
             if not self._queue.empty():
-                await self._commit_live()
+                await self._commit_live(self._take_live(), self._queue)
             # One bulk slice between two live commits: live events wait behind one slice at most, and a stream of
             # hooks never starves an import.
             if bulk is None and not self._bulk.empty():
@@ -228,15 +228,13 @@ class EventWriter:
         requests they belong to (`Server.drain`), before the writer stops."""
         holder = HOLDER.set("events:live")
         try:
-            await self._commit_live([item])
+            await self._commit_live([item], None)
         finally:
             HOLDER.reset(holder)
 
-    async def _commit_live(self, batch: list[Batch] | None = None) -> None:
-        """One group commit of what the live queue holds (`batch`: a submitter committed in its own task)."""
-        queue = self._queue if batch is None else None
-        if batch is None:
-            batch = self._take_live()
+    async def _commit_live(self, batch: list[Batch], queue: asyncio.Queue[Batch] | None) -> None:
+        """One group commit of live submitters: taken from the live `queue` (`_take_live`), or (None) one committed
+        in its own task (`_commit_here`)."""
         size = sum(len(item.events) for item in batch)
         # The ignored folders are looked at (a stat) once a group commit, not once a hook: each stat gave up the
         # interpreter lock on the event loop (the ingest bench at 8 clients: daemon CPU 0.48 -> 0.46 ms an event,
