@@ -32,7 +32,8 @@ import os
 import pickle
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -47,6 +48,9 @@ CHILD_NICE = 10
 
 LANES = ("embed", "query", "work", "parse")
 BACKGROUND = frozenset({"embed", "work"})  # the lanes nobody waits on: the back-fill, the workers' text work
+AUTOGROUP = "/proc/self/autogroup"  # this process's session's scheduling group (Linux autogroups), its niceness
+GROUP_LOW_NICE = 19
+GROUP_LIFT_HOLD_S = 1.0  # after a call someone waits on, the helper's group stays at full weight this long
 DIRECT = ("query",)  # lanes with a pipe of their own, called from a thread (`call_sync`), one call at a time
 
 
@@ -301,6 +305,96 @@ def idle_priority() -> str:
     return "nice"
 
 
+def autogroups_on() -> bool:
+    """Whether Linux schedules this process's session as a group of its own (autogroups built in and on)."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1" and os.path.exists(AUTOGROUP)
+    except OSError:
+        return False
+
+
+class SchedulingGroup:
+    """The helper's own scheduling group, where Linux has autogroups: niceness 19 while only background work runs;
+    0 (full weight) while a call someone waits on runs (a search's query, a hook's parse: `lifted`), and for
+    GROUP_LIFT_HOLD_S after.
+
+    Linux schedules each session as one group (`kernel.sched_autogroup_enabled`, on in most desktop distributions),
+    and SCHED_IDLE ranks a thread only against the other threads of its group. In the daemon's session (its service
+    manager gives it one), the helper's idle-class lanes took as much CPU as the agent's whole session whenever
+    both wanted it: during a catch-up, a CPU job of one process per CPU in another session took 2.03x as long as
+    alone; with the helper's group at 19, 0.99x (`bench/yields.py`, 2 CPUs, stop 54). At 19 for good, though, a
+    search starved behind a busy session (8 -> 133 ms at the median with two busy loops running; lifted, 9.5 ms),
+    hence the lift.
+
+    An unprivileged process may set its own group's niceness anywhere from 0 to 19, but the kernel takes one change
+    every 100 ms at most, machine-wide (EAGAIN): a lift refused leaves that call at the low weight (a machine with a
+    CPU to spare runs it as fast), and the lowering is tried again until it holds. Inside a cgroup other than the
+    root (a systemd service with the cpu controller) the kernel uses no autogroup, and this changes nothing."""
+
+    def __init__(self, lifts: bool) -> None:
+        self.lifts = lifts  # False: nothing in this helper is waited on (an import's parsers), it stays low
+        self.enabled = False
+        self.nice = 0  # the group's niceness as last set
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._lifted = 0  # calls running lifted
+        self._ended = 0.0  # monotonic time the last lifted call ended
+
+    def start(self) -> bool:
+        """Make a session of this process's own and lower its group; False where there are no autogroups."""
+        if not autogroups_on():
+            return False
+        try:
+            os.setsid()
+        except OSError:
+            return False
+        self.enabled = True
+        with self._lock:
+            self._set(GROUP_LOW_NICE)
+        threading.Thread(target=self._lower, name="offload-group", daemon=True).start()
+        return True
+
+    @contextlib.contextmanager
+    def lifted(self) -> Iterator[None]:
+        """Around a call someone waits on: the group at full weight while it runs."""
+        if not (self.enabled and self.lifts):
+            yield
+            return
+        with self._lock:
+            self._lifted += 1
+            if self.nice != 0:
+                self._set(0)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._lifted -= 1
+                self._ended = time.monotonic()
+                self._changed.notify()
+
+    def _set(self, nice: int) -> bool:
+        """Under the lock."""
+        try:
+            with open(AUTOGROUP, "w") as f:
+                f.write(str(nice))
+        except OSError:
+            return False  # EAGAIN: the machine's last change was under 100 ms ago
+        self.nice = nice
+        return True
+
+    def _lower(self) -> None:
+        """Its own thread: back to the low niceness GROUP_LIFT_HOLD_S after the last lifted call."""
+        with self._lock:
+            while True:
+                if self.nice == GROUP_LOW_NICE or self._lifted:
+                    self._changed.wait()
+                elif (left := self._ended + GROUP_LIFT_HOLD_S - time.monotonic()) > 0:
+                    self._changed.wait(left)
+                elif not self._set(GROUP_LOW_NICE):
+                    self._changed.wait(0.1)
+
+
 def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | None = None, idle: bool = False,
                 trim: bool = False) -> None:
     """Serve calls until the parent goes away (the pipe closes); each lane on its own thread, a direct lane's thread
@@ -316,8 +410,15 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
     for one; an idle-class thread gives the CPU up at once. Measured with `bench/hooks.py --background-catchup`
     (closing note, stop 41): the daemon's answer p99 35 against 39–40 ms, a hook's wait for the writer p90 2.2
     against 4–5 ms. An idle-class thread still gets a sliver of a busy CPU (weight 3 against a default task's 1,024),
-    so a machine that is never idle slows the catch-up but does not stop it."""
+    so a machine that is never idle slows the catch-up but does not stop it.
+
+    SCHED_IDLE ranks threads within one scheduling group only, and with Linux autogroups each session is one: so the
+    helper also runs in a session of its own, whose group is niced 19 except while a call someone waits on runs
+    (`SchedulingGroup`): otherwise its idle-class lanes took half of a busy CPU from the agent's session."""
     per_thread = sys.platform.startswith("linux")
+    group = SchedulingGroup(lifts=not idle)
+    if nice or idle:
+        group.start()
     if idle:  # before any thread starts: they inherit it
         idle_priority()
     elif nice and not per_thread:
@@ -328,11 +429,15 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
                                       initializer=idle_priority if nice and per_thread and lane in BACKGROUND else None)
              for lane in LANES if lane not in DIRECT}
     for lane, own in (direct or {}).items():
-        threading.Thread(target=_serve_direct, args=(own,), name=f"offload-{lane}", daemon=True).start()
+        threading.Thread(target=_serve_direct, args=(own, group), name=f"offload-{lane}", daemon=True).start()
 
-    def run(rid: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def run(rid: int, lane: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
-            reply: tuple[int, bool, Any] = (rid, True, fn(*args))
+            if lane in BACKGROUND:
+                reply: tuple[int, bool, Any] = (rid, True, fn(*args))
+            else:
+                with group.lifted():
+                    reply = (rid, True, fn(*args))
         except Exception as exc:  # noqa: BLE001 - every failure goes back to its caller
             reply = (rid, False, exc)
         with send_lock:
@@ -348,7 +453,8 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
     try:
         while (message := conn.recv()) is not None:
             rid, lane, fn, args = message
-            lanes.get(lane, lanes["work"]).submit(run, rid, fn, args)
+            lane = lane if lane in lanes else "work"
+            lanes[lane].submit(run, rid, lane, fn, args)
         finish = True  # `close()`: what runs is answered first
     except (EOFError, OSError):
         return  # the parent is gone: nothing to answer
@@ -357,15 +463,17 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
             pool.shutdown(wait=finish, cancel_futures=not finish)
 
 
-def _serve_direct(conn: Connection) -> None:
-    """A direct lane in the child: each call read, run and answered on this thread, until the pipe closes."""
+def _serve_direct(conn: Connection, group: SchedulingGroup) -> None:
+    """A direct lane in the child: each call read, run (its group lifted: someone waits) and answered on this
+    thread, until the pipe closes."""
     while True:
         try:
             fn, args = conn.recv()
         except (EOFError, OSError):
             return  # the parent is gone, or this child is exiting
         try:
-            reply: tuple[bool, Any] = (True, fn(*args))
+            with group.lifted():
+                reply: tuple[bool, Any] = (True, fn(*args))
         except Exception as exc:  # noqa: BLE001 - every failure goes back to its caller
             reply = (False, exc)
         try:

@@ -14,7 +14,7 @@ from typing import Any
 
 from loomd.client import Client
 from loomd.ingest.history import ParserPool
-from loomd.offload import CHILD_NICE, Offload
+from loomd.offload import CHILD_NICE, GROUP_LIFT_HOLD_S, GROUP_LOW_NICE, Offload, autogroups_on
 from loomd.store.db import connect_sync
 from tests.conftest import DaemonProcess
 
@@ -129,5 +129,43 @@ def test_the_helper_yields_the_cpu_and_import_parsers_take_only_idle_cpu() -> No
             assert parser.call_sync("query", os.sched_getscheduler, 0) == os.SCHED_IDLE
         else:
             assert parser.call_sync("parse", os.nice, 0) == 19
+    finally:
+        parser.close()
+
+
+def test_the_helper_has_a_scheduling_group_of_its_own_lowered_except_while_a_call_is_waited_on() -> None:
+    """Linux schedules each session as a group (autogroups) and SCHED_IDLE ranks threads only within one: so the
+    helper makes a session of its own whose group is niced 19, and lifted to 0 while a call someone waits on runs
+    (a search's query, a hook's parse) and GROUP_LIFT_HOLD_S after; background calls (the back-fill, the workers)
+    never lift it. The kernel takes one such change per 100 ms machine-wide, hence `wait_for`. An import's parsers
+    (nothing there is waited on) stay low. Without autogroups, nothing changes: the helper keeps our session."""
+    group = Path("/proc/self/autogroup")
+
+    def nice_of(helper: Offload, lane: str) -> int:
+        return int(helper.call_sync(lane, group.read_text).split()[-1])  # "/autogroup-123 nice 19", the child's
+
+    helper = Offload()
+    try:
+        helper.ensure_started()
+        if not autogroups_on():
+            assert helper.call_sync("work", os.getsid, 0) == os.getsid(0)
+            return
+        assert helper.call_sync("work", os.getsid, 0) == helper.pid != os.getsid(0)
+        wait_for(lambda: nice_of(helper, "work") == GROUP_LOW_NICE, "the helper's group lowered", within=5)
+        wait_for(lambda: nice_of(helper, "query") == 0, "a query lifting the group", within=5)
+        assert nice_of(helper, "parse") == 0  # still within the hold: no change to make
+        lifted = time.monotonic()
+        assert nice_of(helper, "embed") == 0  # a background call neither lowers nor lifts it
+        wait_for(lambda: nice_of(helper, "work") == GROUP_LOW_NICE, "the group lowered after the hold",
+                 within=GROUP_LIFT_HOLD_S + 5)
+        assert time.monotonic() - lifted >= GROUP_LIFT_HOLD_S * 0.9
+    finally:
+        helper.close()
+    parser = ParserPool(1, idle_s=1.0).children[0]
+    try:
+        parser.ensure_started()
+        wait_for(lambda: nice_of(parser, "parse") == GROUP_LOW_NICE, "the parser's group lowered", within=5)
+        assert nice_of(parser, "query") == GROUP_LOW_NICE  # nothing lifts it
+        assert parser.call_sync("parse", os.getsid, 0) == parser.pid
     finally:
         parser.close()
