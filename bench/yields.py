@@ -55,7 +55,7 @@ def job() -> float:
 
 def latencies(xs: list[float]) -> dict[str, float]:
     s = sorted(xs)
-    return {"n": len(s), "p50_ms": round(s[len(s) // 2], 2), "p90_ms": round(s[int(len(s) * 0.9)], 2),
+    return {"n": len(s), "p50_ms": round(hooks.percentile(s, 0.5), 2), "p90_ms": round(hooks.percentile(s, 0.9), 2),
             "max_ms": round(s[-1], 2)}
 
 

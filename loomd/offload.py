@@ -433,11 +433,8 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
 
     def run(rid: int, lane: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
-            if lane in BACKGROUND:
+            with contextlib.nullcontext() if lane in BACKGROUND else group.lifted():  # nobody waits on those
                 reply: tuple[int, bool, Any] = (rid, True, fn(*args))
-            else:
-                with group.lifted():
-                    reply = (rid, True, fn(*args))
         except Exception as exc:  # noqa: BLE001 - every failure goes back to its caller
             reply = (rid, False, exc)
         with send_lock:
