@@ -341,7 +341,7 @@ class Daemon:
             "offload": {**self.offload.status(), "import_parsers": self.history.pool.status()},
             "import": {"running": self.history.active, "files_in_flight": self.history.in_flight},
             "service": {"answer": self.answered.summary(), "arrival": self.arrived.summary()},
-            "memory": memory.usage(),
+            "memory": memory.usage(), "time_slice_ns": offload.thread_slice(),
         }
 
 
@@ -369,6 +369,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 def run(config: Config) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    offload.short_slice()  # before the first thread and the helper process: they inherit it
     memory.limit_heaps()  # before the first thread
     daemon = Daemon(config, listen_sock=inherited_socket(), owns_process=True)
     with asyncio.Runner(loop_factory=loop_factory) as runner:

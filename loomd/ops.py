@@ -100,7 +100,7 @@ class Ops:
             "writer": {"waiting": self.s.store.write_waiting, "holds": self.s.store.holds.summary(),
                        "gave_way": self.s.store.gave_way},
             "shared": await self.s.sync.status() if self.s.sync is not None else {"configured": False},
-            "service": run["service"], "memory": run["memory"],
+            "service": run["service"], "memory": run["memory"], "time_slice_ns": run["time_slice_ns"],
         }
 
     def _storage(self, db: Path) -> dict[str, Any]:

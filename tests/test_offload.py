@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import Any
 
 from loomd.client import Client
 from loomd.ingest.history import ParserPool
-from loomd.offload import CHILD_NICE, GROUP_LIFT_HOLD_S, GROUP_LOW_NICE, Offload, autogroups_on
+from loomd.offload import CHILD_NICE, GROUP_LIFT_HOLD_S, GROUP_LOW_NICE, SHORT_SLICE_NS, Offload, autogroups_on
 from loomd.store.db import connect_sync
 from tests.conftest import DaemonProcess
 
@@ -169,3 +170,51 @@ def test_the_helper_has_a_scheduling_group_of_its_own_lowered_except_while_a_cal
         assert parser.call_sync("parse", os.getsid, 0) == parser.pid
     finally:
         parser.close()
+
+
+# sched_setattr on this thread with a 0.1 ms slice (its own policy and niceness), then the kernel's own account
+# (/proc/self/sched): written here, apart from the daemon's code, to learn whether this kernel grants a task a slice.
+SLICE_PROBE = """
+import ctypes, os, platform, struct
+calls = {"x86_64": 314, "aarch64": 274}.get(platform.machine())
+attr = struct.pack("=IIQiIQQQ", 48, 0, 0, os.nice(0), 0, 100_000, 0, 0)
+libc = ctypes.CDLL(None, use_errno=True)
+ok = calls is not None and libc.syscall(calls, 0, ctypes.create_string_buffer(attr), 0) == 0
+print(ok and open("/proc/self/sched").read())
+"""
+
+
+def task_slices(pid: int) -> dict[int, tuple[int, int | None]]:
+    """Each thread of `pid`: its policy and its slice in ns, as the kernel reports them (/proc/<pid>/task/*/sched)."""
+    out: dict[int, tuple[int, int | None]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        lines = [line.split(":", 1) for line in (task / "sched").read_text().splitlines() if ":" in line]
+        fields = {key.strip(): value.strip() for key, value in lines}
+        slice_ns = fields.get("se.slice")
+        out[int(task.name)] = (int(fields["policy"]), int(slice_ns) if slice_ns else None)
+    return out
+
+
+def test_the_daemon_and_its_helper_take_the_cpu_in_the_shortest_slices_linux_grants(
+    daemon_process: Callable[..., DaemonProcess],
+) -> None:
+    """Since Linux 6.12 a task may ask for a shorter time slice than the default (1.4 ms on 2 CPUs), with no
+    privilege: the daemon asks for the shortest (0.1 ms) before its first thread, so every thread and its helper
+    process inherit it. Its wake-ups (a hook's request) then preempt sooner, and its background work gives way
+    sooner to what wakes (a hook's shim). `status` says what the event loop's thread runs with."""
+    probe = subprocess.run([sys.executable, "-c", SLICE_PROBE], capture_output=True, text=True, check=True).stdout
+    granted = "se.slice" in probe and " 100000\n" in probe
+    daemon = daemon_process({"LOOMD_PASSIVE": "1", "LOOMD_EMBEDDER": "local"}).start()
+    with Client(daemon.sock, timeout=60) as c:
+        status = wait_for(lambda: (s := c.call("status"))["embedder"]["state"] == "ready" and s,
+                          "the model to load in the helper")
+    assert daemon.proc is not None
+    if not granted:  # an older kernel, or not Linux: the daemon runs as it always did
+        assert status["time_slice_ns"] != SHORT_SLICE_NS
+        return
+    assert status["time_slice_ns"] == SHORT_SLICE_NS
+    assert task_slices(daemon.proc.pid)[daemon.proc.pid] == (0, SHORT_SLICE_NS)  # the event loop's thread
+    helper = task_slices(status["offload"]["pid"])
+    assert len(helper) >= 4  # its lanes' threads are up: the model loaded there
+    # SCHED_IDLE's threads (the background lanes) are not shown a slice; every other one runs with the short one.
+    assert {s for policy, s in helper.values() if policy != os.SCHED_IDLE} == {SHORT_SLICE_NS}
