@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -311,15 +313,19 @@ def idle_priority() -> str:
     return "nice"
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library the process already has loaded (glibc or musl): its `syscall`."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _sched_attr(set_slice_ns: int | None) -> int | None:
     """sched_getattr on the calling thread and, with `set_slice_ns`, sched_setattr with that slice and the thread's
     own policy and niceness; the slice it runs with after, or None (not Linux, no such call, refused)."""
     calls = _SCHED_CALLS.get(platform.machine()) if sys.platform.startswith("linux") else None
     if calls is None:
         return None
-    import ctypes  # only here: at the daemon's start and for `status`, never on a hook's path
-
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
     if libc.syscall(calls[1], 0, buf, _SCHED_ATTR.size, 0) != 0:
         return None
