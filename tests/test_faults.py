@@ -355,10 +355,14 @@ def test_file_size_limit_during_ingest(daemon_process: Callable[..., DaemonProce
     assert why["storage"] > 0, f"the file-size limit never bit: {why}"
     spooled = len(spool_files(home))
     assert spooled > 0
-    # While space is short the spool stays put (replay pauses, nothing is dropped or moved aside).
+    # While space is short the replay pauses: what it cannot commit stays in the spool, nothing is dropped or moved
+    # aside. A checkpoint can free room in the WAL for a few files meanwhile (CI: 527 -> 521 in the second), so
+    # the spool may shrink; it never grows, never empties, and the pause is reported.
     time.sleep(1.0)
-    assert len(spool_files(home)) == spooled and not list((home / "spool").glob("rejected/*"))
+    left = len(spool_files(home))
+    assert 0 < left <= spooled and not list((home / "spool").glob("rejected/*")), (left, spooled)
     assert (with_ping := status(proc.sock))["pid"] == proc.proc.pid, with_ping
+    assert "replay paused" in (with_ping["spool"]["last_error"] or ""), with_ping["spool"]
     resource.prlimit(proc.proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
     recovered_at = time.monotonic()
     drain_s = wait_drained(proc, len(records) + len(warm_records), 60)
