@@ -152,13 +152,15 @@ class Ops:
                                                 max_chars=self.s.config().max_tool_output_chars,
                                                 now=sent_at(a["sent_at"]))
         # The context is read while the event commits; the reply (the ack) still waits for the commit. A hook with
-        # nothing to read is committed right here when it came alone (`EventWriter.enqueue`, `here`).
+        # nothing to read is committed right here when it came alone (`EventWriter.enqueue`, `here`), and so is a new
+        # session's, whose start block is read inside that commit (`Planner.start_read`).
+        start = self.s.planner.start_read(event) if a["context"] else None
         reads = a["context"] and self.s.planner.reads(event)
-        written = await self.s.writer.enqueue([event], here=not reads)
+        written = await self.s.writer.enqueue([event], here=not reads, also=start)
         try:
             if a["context"]:
                 stdout = await self.s.planner.for_hook(
-                    event, a["deadline_ms"] or self.s.config().context_deadline_ms, written)
+                    event, a["deadline_ms"] or self.s.config().context_deadline_ms, written, start)
             else:
                 stdout = await self.s.planner.after_event(event, written)
         finally:

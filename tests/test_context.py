@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,24 @@ async def test_concurrent_starts_of_one_session_share_one_block(daemon: Daemon, 
     assert await hook(client, "SessionStart", session="race", source="resume") == first
     row = await client.call("context", kind="start", session_id="race", cwd=CWD)
     assert row["text"] == first
+
+
+async def test_a_new_sessions_block_is_read_in_its_own_commit_not_on_the_readers_thread(
+        daemon: Daemon, client: AsyncClient) -> None:
+    """The start block is read inside the SessionStart event's commit (`Planner.start_read`): with the reader's
+    thread held by another read, the block still comes, with what was stored before it."""
+    await remember(client, "Chose SQLite WAL over Postgres for the local store", "decision")
+    release = threading.Event()
+    held = asyncio.ensure_future(daemon.store.read(lambda conn: release.wait(30)))
+    try:
+        await asyncio.sleep(0.05)  # the reader's thread has taken the held read
+        assert not held.done()
+        block = await asyncio.wait_for(hook(client, "SessionStart", session="apart", source="startup"), 10)
+        assert "Chose SQLite WAL" in block and not held.done()
+    finally:
+        release.set()
+    assert await held is True  # released here, not timed out
+    assert await daemon.store.scalar("SELECT count(*) FROM events WHERE session_id = 'apart'") == 1
 
 
 async def test_first_hook_from_an_unseen_folder_gets_its_projects_block(client: AsyncClient, tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ import logging
 import re
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiosqlite
@@ -35,7 +36,7 @@ from loomd.ingest.sentences import clean_user_text
 from loomd.search.retrieval import Hit
 from loomd.store.db import Store
 from loomd.store.tasks import OPEN_STATES
-from loomd.store.trip import commit_in_one_trip
+from loomd.store.trip import commit_in_one_trip, plain
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,26 @@ FOLLOW_UP_TIMEOUT_S = 10.0
 FOLLOW_UP_AFTER_S = 0.05
 MAX_FOLLOW_UPS = 256  # sessions with a semantic recall waiting for its tool result
 MIN_FOLLOW_UP = 200  # characters a prompt's block must have left for its follow-up to be searched for
+
+
+@dataclass
+class StartRead:
+    """A new session's start block, read inside its SessionStart event's own commit (an `also` of the event writer:
+    `Planner.start_read`), on the thread that commits it, with no hand-off to the reader's thread and back. Read there
+    while the event committed, its result waited for the event loop's turn, which on a machine busy with a catch-up
+    came after the log's sync, run on the loop for a hook that came alone (`WalSync.sync_here`): in the hooks bench
+    with a catch-up running (2 CPUs, 60 runs) the read ended 1.87 ms into the answer and was taken up at 2.77. Read
+    in the commit, the block is rendered right after the sync (the answer 2.89 -> 2.48 ms at the median)."""
+
+    event: Event
+    found: tuple[str | None, list[Line], dict[str, int]] | None = None
+
+    async def __call__(self, db: aiosqlite.Connection, events: Sequence[Event]) -> None:
+        self.found = None  # a group commit that failed runs each submitter's `also` again (`_commit_apart`)
+        try:
+            self.found = read_start(self.event.project, time.time(), self.event.session_id, plain(db))
+        except Exception as exc:  # noqa: BLE001 - never the event's loss: the block is read apart (`Planner.start`)
+            log.warning("start block of session %s not read in its commit: %r", self.event.session_id, exc)
 
 
 class Planner:
@@ -76,17 +97,19 @@ class Planner:
         self._freezing: dict[str, str] = {}  # start blocks rendered, not committed yet
         self._mark_tasks: set[asyncio.Task[None]] = set()
 
-    async def for_hook(self, event: Event, deadline_ms: int, written: Awaitable[Any] | None = None) -> str:
+    async def for_hook(self, event: Event, deadline_ms: int, written: Awaitable[Any] | None = None,
+                       start: StartRead | None = None) -> str:
         """The stdout of a SessionStart / UserPromptSubmit hook, or "" if nothing fits or time ran out.
 
         `written`: the event's own write, still running; the reads overlap it, the planner's writes wait for it
-        (they update the session row it may create). It is never cancelled here, even when time runs out."""
+        (they update the session row it may create). It is never cancelled here, even when time runs out. `start`:
+        the start block's read, run inside that write (`start_read`)."""
         try:
             # Awaited here, not in a task of its own (as `wait_for` would): its first read is queued on the reader's
             # thread before the event's commit runs, on the loop's thread, and runs while that commit waits for
-            # the disk (a new session's SessionStart, quiet daemon: its answer 3.8 -> 3.0 ms at the median).
+            # the disk (a new session's SessionStart, quiet daemon, before `start_read`: 3.8 -> 3.0 ms at the median).
             async with asyncio.timeout(max(deadline_ms, 1) / 1000):
-                text = await self._for_hook(event, written)
+                text = await self._for_hook(event, written, start)
         except TimeoutError:
             log.warning("context for %s in session %s missed its %d ms deadline", event.kind, event.session_id,
                         deadline_ms)
@@ -94,18 +117,27 @@ class Planner:
         return hook_output(event.kind, text)
 
     def reads(self, event: Event) -> bool:
-        """Whether the context of this SessionStart / UserPromptSubmit hook reads the store: a start block does; a
-        prompt only when it asks something memory can answer (`asked`), which most do not."""
+        """Whether the context of this SessionStart / UserPromptSubmit hook reads the store while the event commits:
+        a compaction's block does (a start block is read inside the commit: `start_read`); a prompt only when it asks
+        something memory can answer (`asked`), which most do not."""
         if event.kind == "UserPromptSubmit":
             prompt = event.payload.get("prompt")
             return isinstance(prompt, str) and asked(prompt) is not None
-        return event.kind == "SessionStart"
+        return event.kind == "SessionStart" and event.payload.get("source") == "compact"
 
-    async def _for_hook(self, event: Event, written: Awaitable[Any] | None) -> str:
+    @staticmethod
+    def start_read(event: Event) -> StartRead | None:
+        """For a SessionStart that gets a start block (not a compaction's): its read, to run inside the event's own
+        commit (`EventWriter.enqueue`'s `also`) and to hand to `for_hook`. None for any other hook."""
+        if event.kind == "SessionStart" and event.payload.get("source") != "compact":
+            return StartRead(event)
+        return None
+
+    async def _for_hook(self, event: Event, written: Awaitable[Any] | None, start: StartRead | None) -> str:
         if event.kind == "SessionStart":
             if event.payload.get("source") == "compact":
                 return (await self.compact(event.session_id, event.project, written))[0]
-            return (await self.start(event.session_id, event.project, event.agent, written))[0]
+            return (await self.start(event.session_id, event.project, event.agent, written, start))[0]
         if event.kind == "UserPromptSubmit" and isinstance(event.payload.get("prompt"), str):
             inline = self.config().prompt_semantic_inline
             return (await self.recall(event.session_id, event.project, event.payload["prompt"], inline,
@@ -218,13 +250,20 @@ class Planner:
 
     async def start(
         self, session_id: str, project: str, agent: str, written: Awaitable[Any] | None = None,
+        read: StartRead | None = None,
     ) -> tuple[str, list[int]]:
-        """Rendered once per session, then returned byte for byte (resume included): the prefix stays cacheable."""
+        """Rendered once per session, then returned byte for byte (resume included): the prefix stays cacheable.
+        `read`: what was read inside `written` (`start_read`); without it (or if it failed), a read of its own."""
         frozen = self._freezing.get(session_id)
         if frozen is not None:
             return frozen, []
-        # The session's frozen block, or what a new one shows: one trip to the reader's thread.
-        frozen, lines, counts = await self.store.read(functools.partial(read_start, project, time.time(), session_id))
+        found: tuple[str | None, list[Line], dict[str, int]] | None = None
+        if read is not None:
+            await _durable(written)
+            found = read.found
+        if found is None:  # the session's frozen block, or what a new one shows: one trip to the reader's thread
+            found = await self.store.read(functools.partial(read_start, project, time.time(), session_id))
+        frozen, lines, counts = found
         if frozen is not None:
             return frozen, []
         text, ids = render_start_block(_label(project), lines, counts, self.config().start_block_budget(agent))

@@ -94,6 +94,14 @@ class _OnThread:
         return self._conn.execute(sql, parameters).fetchall()
 
 
+def plain(db: aiosqlite.Connection) -> sqlite3.Connection:
+    """The sqlite3 handle under the connection given to code run in one trip (`run_through`), for synchronous code
+    over it (a reader's function, run inside a write transaction)."""
+    if not isinstance(db, _OnThread):
+        raise TypeError("not a connection run in one trip")
+    return db._conn  # noqa: SLF001 - its own wrapper's handle, on the thread running it
+
+
 class Suspended(RuntimeError):
     """Code run by `in_one_trip` awaited something other than the connection (a sleep, another task)."""
 
