@@ -83,11 +83,15 @@ async def test_a_new_sessions_block_is_read_in_its_own_commit_not_on_the_readers
     """The start block is read inside the SessionStart event's commit (`Planner.start_read`): with the reader's
     thread held by another read, the block still comes, with what was stored before it."""
     await remember(client, "Chose SQLite WAL over Postgres for the local store", "decision")
-    release = threading.Event()
-    held = asyncio.ensure_future(daemon.store.read(lambda conn: release.wait(30)))
+    taken, release = threading.Event(), threading.Event()
+
+    def hold(conn: object) -> bool:
+        taken.set()
+        return release.wait(30)
+
+    held = asyncio.ensure_future(daemon.store.read(hold))
     try:
-        await asyncio.sleep(0.05)  # the reader's thread has taken the held read
-        assert not held.done()
+        assert await asyncio.to_thread(taken.wait, 10)  # the reader's thread is in the held read
         block = await asyncio.wait_for(hook(client, "SessionStart", session="apart", source="startup"), 10)
         assert "Chose SQLite WAL" in block and not held.done()
     finally:

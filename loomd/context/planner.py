@@ -123,19 +123,19 @@ class Planner:
         if event.kind == "UserPromptSubmit":
             prompt = event.payload.get("prompt")
             return isinstance(prompt, str) and asked(prompt) is not None
-        return event.kind == "SessionStart" and event.payload.get("source") == "compact"
+        return event.kind == "SessionStart" and _after_compaction(event)
 
     @staticmethod
     def start_read(event: Event) -> StartRead | None:
         """For a SessionStart that gets a start block (not a compaction's): its read, to run inside the event's own
         commit (`EventWriter.enqueue`'s `also`) and to hand to `for_hook`. None for any other hook."""
-        if event.kind == "SessionStart" and event.payload.get("source") != "compact":
+        if event.kind == "SessionStart" and not _after_compaction(event):
             return StartRead(event)
         return None
 
     async def _for_hook(self, event: Event, written: Awaitable[Any] | None, start: StartRead | None) -> str:
         if event.kind == "SessionStart":
-            if event.payload.get("source") == "compact":
+            if _after_compaction(event):
                 return (await self.compact(event.session_id, event.project, written))[0]
             return (await self.start(event.session_id, event.project, event.agent, written, start))[0]
         if event.kind == "UserPromptSubmit" and isinstance(event.payload.get("prompt"), str):
@@ -335,6 +335,11 @@ def asked(prompt: str) -> str | None:
     can answer (`relevance.asks_memory`); else None: the prompt gets no recall."""
     said = clean_user_text(prompt)
     return None if is_trivial(said) or not asks_memory(said) else said
+
+
+def _after_compaction(event: Event) -> bool:
+    """A SessionStart that resumes a compacted session: it gets the compaction's block, not the start block."""
+    return event.payload.get("source") == "compact"
 
 
 async def _durable(written: Awaitable[Any] | None) -> None:
