@@ -113,6 +113,32 @@ async def test_a_hook_that_came_alone_is_synced_where_it_committed_and_comes_bac
     await store.wal.wait(mark + 1)
 
 
+async def test_a_hook_that_came_alone_while_a_sync_runs_is_synced_beside_it_and_comes_back_durable(
+        store: Store) -> None:
+    """A sync running on the sync thread (a worker's commit asked for it) began before the hook's commit ended, so it
+    cannot cover it: the hook's own fsync runs beside it, and the hook waits for no other."""
+    create = "CREATE TABLE IF NOT EXISTS wal_probe (key, value)"
+    await store.commit_on_thread(lambda conn: conn.execute(create), durable=False, sync=True, urgent=True, alone=True)
+    running, release = threading.Event(), threading.Event()
+
+    def fsync_running() -> None:
+        with store.wal._syncing:  # noqa: SLF001 - held as the sync thread holds it through an fsync (a slow disk's)
+            running.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=fsync_running)
+    holder.start()
+    try:
+        assert await asyncio.to_thread(running.wait, 30)
+        _, mark = await store.commit_on_thread(insert("hook"), durable=False, sync=True, urgent=True, alone=True)
+        assert store.durable_commits > mark  # on disk as it comes back, while the other sync still runs
+    finally:
+        release.set()
+        await asyncio.to_thread(holder.join)
+    assert store.wal.syncs == 2
+    assert [r[0] for r in await store.fetchall("SELECT key FROM wal_probe")] == ["hook"]
+
+
 async def test_a_cancelled_transaction_ends_on_the_writers_thread_before_a_hooks_commit_runs(store: Store) -> None:
     """The writer is passed on only once the writer's thread is done with what its holder queued there: a hook's
     commit, on the loop's thread, must never run inside (or beside) a transaction still open on the other."""
