@@ -184,7 +184,10 @@ class WalSync:
             sync()
         except (OSError, RuntimeError) as exc:
             with self._lock:
-                self._failed = (after, upto, StorageError(
+                first, last = after, upto
+                if self._failed is not None:  # one beside another that failed too: neither range is forgotten
+                    first, last = min(first, self._failed[0]), max(last, self._failed[1])
+                self._failed = (first, last, StorageError(
                     f"syncing the database log to disk failed: {exc}; nothing was acknowledged"))
         else:
             with self._lock:
