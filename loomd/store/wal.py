@@ -201,11 +201,17 @@ class WalSync:
         (`sync_here`); None if the log is another file now (deleted and created again: its directory entry must be
         synced first, which the sync thread does) or gone."""
         ino = self._ino
+        if ino is None:
+            return None
         try:
             fd = os.open(self.wal, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
-        if ino is None or os.fstat(fd).st_ino != ino:
+        try:
+            same = os.fstat(fd).st_ino == ino
+        except OSError:
+            same = False
+        if not same:
             os.close(fd)
             return None
         return fd
