@@ -1013,6 +1013,28 @@ async def test_a_wake_while_the_workers_are_held_does_not_run_the_job_to_put_it_
         assert aps.get_job("observer").next_run_time <= now + dt.timedelta(seconds=1)
 
 
+async def test_a_run_held_by_a_pause_in_hooks_is_tried_right_after_the_pause_not_a_retry_later(monkeypatch,
+                                                                                             home) -> None:
+    """A wake held by live hooks that will have paused LIVE_QUIET_S sooner than HOLD_RETRY_S from now is tried right
+    after the pause ends: a run let start anywhere up to HOLD_RETRY_S later met the next hook of an agent whose hooks
+    come about LIVE_QUIET_S apart. It runs once the pause allows it, not before."""
+    async with loomd(monkeypatch, home, passive=False, worker_interval_s=3600) as (d, client):
+        aps = d.scheduler.aps
+        assert aps is not None
+        left = 0.1
+        d.writer.live.arrived(time.monotonic() - (LIVE_QUIET_S - left))  # the last hook came 0.4 s ago
+        pause_ends = time.time() + left
+        assert d.scheduler.hold()
+        d.scheduler.wake("observer", "p1")
+        tried = aps.get_job("observer").next_run_time.timestamp()
+        assert pause_ends <= tried < pause_ends + 0.05 < time.time() + HOLD_RETRY_S
+        deadline = time.monotonic() + 5
+        while (started := await d.store.scalar("SELECT max(started) FROM jobs WHERE worker = 'observer'")) is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert pause_ends <= started < pause_ends + 0.2
+
+
 async def test_passive_means_no_background_work(monkeypatch, home) -> None:
     async with loomd(monkeypatch, home, passive=True, observe_after_tokens=10) as (d, client):
         await ingest(client, [*work_session("q1", 1_700_000_000),

@@ -111,6 +111,11 @@ class LiveTraffic:
         streak = now - self._streak
         return streak < YIELD_MAX_S or (streak - YIELD_MAX_S) % BACKGROUND_EVERY_S >= BACKGROUND_SLICE_S
 
+    def quiet_in(self, now: float | None = None) -> float:
+        """Seconds until live events will have paused LIVE_QUIET_S, if none arrives meanwhile (0: they have)."""
+        now = time.monotonic() if now is None else now
+        return max(0.0, self.last + LIVE_QUIET_S - now)
+
 
 @dataclass
 class Losses:

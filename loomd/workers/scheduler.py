@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 OBSERVE_NOW = frozenset({"PreCompact", "SessionEnd", "compact_summary"})
 STOP_TIMEOUT_S = 10.0
 HOLD_RETRY_S = 0.25  # while held, a due run is tried again this much later (a slice of background time is 50 ms)
+# ... or sooner: when the hold is a pause in live hooks that will end before that, right after it ends (`resume_in`).
+RESUME_AFTER_S = 0.002
 
 
 class Worker(Protocol):
@@ -76,6 +78,12 @@ class Scheduler:
         # and a run already going before each transaction (`WorkerContext.turn`). The workers' text work took as much
         # CPU as the import's own commits; an imported session is observed once the import is done.
         self.hold: Callable[[], bool] = lambda: False
+        # Seconds until the hold ends if no hook comes meanwhile, when that is known (None: an import holds them).
+        # Tried again only every HOLD_RETRY_S, a held run started anywhere up to that long after the hooks' pause had
+        # let it, and so as late as the next hook: with hooks 0.55 s apart, the observer run a PreCompact woke started
+        # with the SubagentStop two hooks later, in every round of `bench/hooks.py --background-catchup` (a trace in
+        # the closing note of stop 58). Tried the moment the pause allows, a run starts at the pause's beginning.
+        self.resume_in: Callable[[], float | None] = lambda: None
         self._retry: dict[str, dt.datetime] = {}  # a held worker's next try, when one is set (`wake`, `_job`)
 
     @property
@@ -153,7 +161,10 @@ class Scheduler:
 
     def _retry_at(self, name: str, now: dt.datetime) -> None:
         assert self.aps is not None
-        self._retry[name] = now + dt.timedelta(seconds=HOLD_RETRY_S)
+        delay = HOLD_RETRY_S
+        if (left := self.resume_in()) is not None:
+            delay = min(delay, left + RESUME_AFTER_S)
+        self._retry[name] = now + dt.timedelta(seconds=delay)
         self.aps.modify_job(name, next_run_time=self._retry[name])
 
     async def _job(self, name: str) -> None:
