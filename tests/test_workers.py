@@ -33,7 +33,7 @@ from loomd.ingest.writer import LIVE_QUIET_S
 from loomd.store.db import connect_sync, on_thread, open_reader
 from loomd.workers.base import RunReport
 from loomd.workers.digest import budgets, render_digest
-from loomd.workers.observer import CHUNK_EVENTS, CONTEXT_EVENTS, PASSAGES_PER_WRITE
+from loomd.workers.observer import CHUNK_EVENTS, CONTEXT_EVENTS, PASSAGES_PER_WRITE, Observer
 from loomd.workers.reflector import Reflector, plan_chunk, read_snapshot
 from loomd.workers.rules import observe
 from loomd.workers.scheduler import HOLD_RETRY_S
@@ -1011,6 +1011,25 @@ async def test_a_wake_while_the_workers_are_held_does_not_run_the_job_to_put_it_
         now = dt.datetime.now(dt.UTC)
         d.scheduler.wake("observer", "w3")
         assert aps.get_job("observer").next_run_time <= now + dt.timedelta(seconds=1)
+
+
+async def test_due_sessions_are_the_woken_the_ended_and_those_past_the_token_threshold_with_events_pending(
+        monkeypatch, home) -> None:
+    """What a run observes (`Observer.due_sessions`, read from index entries and, for live sessions only, their
+    pending tokens): a session with events past its watermark that was woken, has ended, or holds
+    observe_after_tokens; not a live one under the threshold, nor one observed up to its last event."""
+    async with loomd(monkeypatch, home, passive=True, observe_after_tokens=200, observe_idle_s=3600) as (d, client):
+        t0 = 1_700_000_000
+        await ingest(client, [user("few", "Rename the helper.", t0), user("woken", "Rename the helper.", t0),
+                              user("many", "Explain the storage layer in detail. " * 30, t0),
+                              user("ended", "Rename the helper.", t0),
+                              ev("ended", "SessionEnd", {"reason": "exit"}, t0 + 1, source="hook"),
+                              user("done", "Explain the storage layer in detail. " * 30, t0)])
+        assert (await client.call("workers_run", name="observer", session_id="done"))["outcome"] == "ok"
+        observer = d.scheduler.workers["observer"]
+        assert isinstance(observer, Observer)
+        assert sorted(await observer.due_sessions(d.scheduler.ctx, frozenset({"woken"}))) == ["ended", "many", "woken"]
+        assert sorted(await observer.due_sessions(d.scheduler.ctx, frozenset())) == ["ended", "many"]
 
 
 async def test_a_run_held_by_a_pause_in_hooks_is_tried_right_after_the_pause_not_a_retry_later(monkeypatch,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections import Counter
@@ -178,23 +179,39 @@ class Observer:
         return out
 
     async def due_sessions(self, ctx: WorkerContext, woken: frozenset[str]) -> list[str]:
+        """The sessions with events past their watermark that are due: woken, ended, quiet for observe_idle_s, or
+        with observe_after_tokens pending. Every run asks this first, so it reads a session's index entries, not its
+        events: whether any is pending and its last one (by id, as received), then pending tokens only for the few
+        sessions that need the count (live, unended ones). Summing every session's pending tokens and taking the max
+        of every event's arrival read each event of the store: 16 ms a run at 27k events, in the CPU the hook that
+        came then waited for (0.25 ms now)."""
         cfg = ctx.config()
         idle_before = time.time() - cfg.observe_idle_s
         rows = await ctx.store.fetchall(
             "SELECT s.id, s.ended, coalesce(CAST(c.value AS INTEGER), 0) AS wm,"
-            " (SELECT coalesce(sum(e.tokens), 0) FROM events e WHERE e.session_id = s.id"
+            " EXISTS (SELECT 1 FROM events e WHERE e.session_id = s.id"
             "   AND e.id > coalesce(CAST(c.value AS INTEGER), 0)) AS pending,"
-            " (SELECT max(e.received) FROM events e WHERE e.session_id = s.id) AS last_received"
+            " (SELECT e.received FROM events e WHERE e.session_id = s.id ORDER BY e.id DESC LIMIT 1) AS last_received"
             " FROM sessions s LEFT JOIN checkpoints c ON c.name = 'observer:' || s.id", background=True)
-        due = []
+        due: list[str] = []
+        counted: list[tuple[str, int]] = []  # pending, but due only with enough tokens
         for row in rows:
             if not row["pending"]:
                 continue
             quiet = row["last_received"] is not None and row["last_received"] < idle_before
-            if (row["id"] in woken or row["ended"] is not None or quiet
-                    or row["pending"] >= cfg.observe_after_tokens):
+            if row["id"] in woken or row["ended"] is not None or quiet:
                 due.append(str(row["id"]))
-        return due
+            else:
+                counted.append((str(row["id"]), int(row["wm"])))
+        if counted:
+            tokens = await ctx.store.fetchall(
+                "SELECT j.value ->> 0, (SELECT coalesce(sum(e.tokens), 0) FROM events e"
+                "   WHERE e.session_id = j.value ->> 0 AND e.id > j.value ->> 1)"
+                " FROM json_each(?) j", (json.dumps(counted),), background=True)
+            enough = {str(sid) for sid, pending in tokens if pending >= cfg.observe_after_tokens}
+            due += [sid for sid, _ in counted if sid in enough]
+        order = {str(row["id"]): n for n, row in enumerate(rows)}
+        return sorted(due, key=order.__getitem__)  # the sessions' order, as one pass over them gave it
 
     async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
         """The due sessions' chunks, written in order, each chunk's reads and text work done while the one before it
