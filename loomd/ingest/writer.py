@@ -103,7 +103,7 @@ class LiveTraffic:
         False for BACKGROUND_SLICE_S out of every BACKGROUND_EVERY_S, so that the back-fill and the workers always
         progress."""
         now = time.monotonic() if now is None else now
-        if now - self.last >= LIVE_QUIET_S:
+        if not self.quiet_in(now):
             self._streak = None
             return False
         if self._streak is None:

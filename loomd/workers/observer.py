@@ -208,10 +208,9 @@ class Observer:
                 "SELECT j.value ->> 0, (SELECT coalesce(sum(e.tokens), 0) FROM events e"
                 "   WHERE e.session_id = j.value ->> 0 AND e.id > j.value ->> 1)"
                 " FROM json_each(?) j", (json.dumps(counted),), background=True)
-            enough = {str(sid) for sid, pending in tokens if pending >= cfg.observe_after_tokens}
-            due += [sid for sid, _ in counted if sid in enough]
-        order = {str(row["id"]): n for n, row in enumerate(rows)}
-        return sorted(due, key=order.__getitem__)  # the sessions' order, as one pass over them gave it
+            due += [str(sid) for sid, pending in tokens if pending >= cfg.observe_after_tokens]
+        chosen = set(due)
+        return [sid for sid in (str(row["id"]) for row in rows) if sid in chosen]  # in the sessions' order
 
     async def run(self, ctx: WorkerContext, req: RunRequest, report: RunReport) -> None:
         """The due sessions' chunks, written in order, each chunk's reads and text work done while the one before it
