@@ -113,7 +113,8 @@ class Ops:
         return {"commit_failed": losses.failed, "busy_refused": losses.busy, "recent_errors": list(losses.recent),
                 "free_bytes": free, "parsed_in_child": self.s.writer.parser.in_process,
                 "commits": self.s.writer.commits, "events_committed": self.s.writer.committed,
-                "log_syncs": self.s.store.wal.syncs, "log_checkpoints": self.s.store.checkpoints.status()}
+                "log_syncs": self.s.store.wal.syncs,
+                "log_checkpoints": {**self.s.store.checkpoints.status(), "restarts": self.s.store.restarts}}
 
     async def _counts(self) -> dict[str, int]:
         row = await self.s.store.fetchone(

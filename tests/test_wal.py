@@ -233,3 +233,36 @@ async def test_no_commit_checkpoints_the_log_the_checkpoint_thread_does_after_th
             break
         await asyncio.sleep(0.01)
     assert store.checkpoints.status()["frames_left"] == 0 and store.checkpoints.failed == 0
+
+
+def log_restarts(store: Store) -> int:
+    """How many times the log was started over: its header's checkpoint sequence number (SQLite's WAL format)."""
+    with open(f"{store.path}-wal", "rb") as f:
+        return int.from_bytes(f.read(16)[12:16], "big")
+
+
+async def test_a_copied_log_is_started_over_in_a_pause_of_the_hooks_not_by_the_next_hooks_commit(store: Store) -> None:
+    """Once a checkpoint has copied all of the log, the next write transaction starts it over: SQLite writes its new
+    header and waits for its fsync inside that COMMIT. The store does that write itself, once live hooks have paused,
+    so the hook that comes next commits into a log already started over."""
+    quiet_at = [time.monotonic() + 1.5]  # hooks arrived: they will have paused in 1.5 s
+    store.quiet_in = lambda: max(0.0, quiet_at[0] - time.monotonic())
+    await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
+    before = log_restarts(store)
+    for _ in range(3000):  # the checkpoint the commit's sync asked for copies all of the log
+        if store.checkpoints.runs and store.checkpoints.status()["frames_left"] == 0:
+            break
+        await asyncio.sleep(0.005)
+    assert store.checkpoints.status()["log_frames"] > 0 and time.monotonic() < quiet_at[0]
+    await asyncio.sleep(0.1)
+    assert store.restarts == 0 and log_restarts(store) == before  # not while hooks arrive
+    for _ in range(3000):
+        if store.restarts:
+            break
+        await asyncio.sleep(0.005)
+    assert store.restarts == 1 and time.monotonic() >= quiet_at[0]  # in the pause, not before it
+    assert log_restarts(store) == before + 1
+    await store.commit_on_thread(insert("a hook"), urgent=True)  # the next live commit: into the log started over
+    assert log_restarts(store) == before + 1
+    rows = await store.fetchall("SELECT key FROM wal_probe")
+    assert [r[0] for r in rows] == ["a hook"]

@@ -10,7 +10,14 @@ a writer or reader waits for, and copies what no reader still needs; the writer 
 starts the log over once a checkpoint has copied all of it.
 
 When: after a commit's sync (`due`, called by `WalSync`), at most once every `every_s` seconds, so the pages a busy
-second rewrites many times are copied once. The connection is the same library's as the writer's (sqlean.py):
+second rewrites many times are copied once.
+
+Once a checkpoint has copied all of the log, the next write transaction starts the log over, and SQLite then writes
+the log's new header and fsyncs it inside that COMMIT (the new header must be on disk before any new frame, or a
+crash could bring back frames already copied). That fsync was the next hook's to wait for: a hook coming alone after
+a pause found the log copied nearly every time (a Stop's COMMIT 0.62 ms at the median with it, 0.07 without, three
+waits for the disk in 58 of 60). So `copied` is told, and the store starts the log over with a write of its own
+while no hook arrives (`Store.restart_log`). The connection is the same library's as the writer's (sqlean.py):
 two SQLite libraries in one process do not see each other's POSIX locks, and closing a file in one drops the
 other's.
 """
@@ -33,9 +40,11 @@ EVERY_S = 1.0  # at most one checkpoint in this many seconds
 class Checkpoints:
     """A thread that checkpoints the log (PASSIVE) after commits, at most once every `every_s` seconds."""
 
-    def __init__(self, connect: Callable[[], sqlite3.Connection], every_s: float = EVERY_S) -> None:
+    def __init__(self, connect: Callable[[], sqlite3.Connection], every_s: float = EVERY_S,
+                 copied: Callable[[], None] | None = None) -> None:
         self.connect = connect
         self.every_s = every_s
+        self.copied = copied  # told on this thread when a checkpoint copied all of a log that held frames
         self.runs = 0  # checkpoints run
         self.frames = 0  # the log's frames at the last one ...
         self.left = 0  # ... and those it could not copy yet (a reader still needed them)
@@ -92,6 +101,8 @@ class Checkpoints:
                 self.runs += 1
                 if row is not None and row[1] >= 0:  # (busy, the log's frames, those copied so far); -1: no log
                     self.frames, self.left = int(row[1]), int(row[1]) - int(row[2])
+                    if self.frames and not self.left and self.copied is not None:
+                        self.copied()
         finally:
             if conn is not None:
                 with contextlib.suppress(Exception):

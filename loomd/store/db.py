@@ -20,7 +20,7 @@ import aiosqlite
 from loomd.errors import ExtensionError, StorageError
 from loomd.store.checkpoint import Checkpoints
 from loomd.store.migrations import MIGRATIONS
-from loomd.store.turns import Durations, WriteTurns
+from loomd.store.turns import HOLDER, Durations, WriteTurns
 from loomd.store.wal import WalSync
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ def migrate(conn: sqlite3.Connection, path: Path | str) -> int:
 # FULL commit syncs the whole log: every transaction committed before it, however committed, is on disk after it.
 # (The daemon's writer commits NORMAL and syncs the log after it, outside the writer's turn: `store.wal`, `Store`.)
 SYNCHRONOUS = "FULL"
+RESTART_AFTER_S = 0.002  # after the hooks' pause has begun, so that it has (`Store.restart_log`)
 
 
 def open_checked(path: Path, *, busy_timeout_ms: int = 5000) -> sqlite3.Connection:
@@ -251,7 +252,15 @@ class Store:
         self._write_lock = WriteTurns()
         self.gave_way = 0  # transactions that gave way to a hook's commit so far, each run again after it (`status`)
         # The log's checkpoints, off the writer (which never runs one: `open`), after the commits' syncs.
-        self.checkpoints = Checkpoints(functools.partial(connect_sync, path, busy_timeout_ms=busy_timeout_ms))
+        self.checkpoints = Checkpoints(functools.partial(connect_sync, path, busy_timeout_ms=busy_timeout_ms),
+                                       copied=self._log_copied)
+        # Seconds until live hooks will have paused (the daemon wires `LiveTraffic.quiet_in`): the log is started over
+        # in that pause (`restart_log`).
+        self.quiet_in: Callable[[], float] = lambda: 0.0
+        self.restarts = 0  # logs started over by `restart_log` (`status`)
+        self._loop = asyncio.get_running_loop()
+        self._restart: asyncio.Task[None] | None = None
+        self._closing = False
         self.wal = WalSync(path, synced=self.checkpoints.due)  # the log's fsyncs, shared by the commits waiting
 
     @classmethod
@@ -299,7 +308,41 @@ class Store:
         """Transactions waiting for their turn on the writer."""
         return self._write_lock.waiting
 
+    def _log_copied(self) -> None:
+        """On the checkpoint thread: the log is all in the database file; start it over soon (`restart_log`)."""
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nothing more is written
+            self._loop.call_soon_threadsafe(self._restart_soon)
+
+    def _restart_soon(self) -> None:
+        if not self._closing and (self._restart is None or self._restart.done()):
+            self._restart = self._loop.create_task(self.restart_log(), name="wal-restart")
+
+    async def restart_log(self) -> None:
+        """Start the log over, once it is all copied into the database file (`store.checkpoint`), in a pause of the
+        live hooks: with a write of nothing (the database's own `user_version`, set to what it is), whose COMMIT
+        writes the log's new header and waits for its fsync, which the next hook's COMMIT would otherwise wait for.
+        Skipped when another process holds the write lock: then whoever writes next starts the log over, as before."""
+        while (left := self.quiet_in()) > 0:  # noqa: ASYNC110 - a predicate of time (the hooks pausing)
+            await asyncio.sleep(left + RESTART_AFTER_S)
+        holder = HOLDER.set("checkpoint")
+        try:
+            async with self._write_lock.hold():
+                restarted = await to_its_end(on_thread(self.writer, functools.partial(_restart_log,
+                                                                                      self.busy_timeout_ms)))
+        except DB_ERRORS as exc:
+            if isinstance(exc, DB_BUGS):
+                raise
+            log.warning("could not start the database log over: %s", describe(exc))
+            return
+        finally:
+            HOLDER.reset(holder)
+        self.restarts += restarted
+
     async def close(self) -> None:
+        self._closing = True  # a checkpoint that ends meanwhile asks for no restart
+        if self._restart is not None:
+            self._restart.cancel()
+            await asyncio.gather(self._restart, return_exceptions=True)
         async with self._write_lock.hold():
             await asyncio.to_thread(self.checkpoints.close)
             await self.background.close()
@@ -449,6 +492,15 @@ def _begin_now(conn: sqlite3.Connection, busy_timeout_ms: int) -> bool:
         raise
     finally:
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    return True
+
+
+def _restart_log(busy_timeout_ms: int, conn: sqlite3.Connection) -> bool:
+    """`Store.restart_log`'s write, on the writer's thread: False if another process holds the write lock."""
+    if not _begin_now(conn, busy_timeout_ms):
+        return False
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    _transaction(lambda c: c.execute(f"PRAGMA user_version = {version}"), threading.Event(), None, conn, begun=True)
     return True
 
 
