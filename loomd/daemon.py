@@ -176,8 +176,8 @@ class Daemon:
         # back-fill and the workers catch up when they pause (`LiveTraffic`).
         history, live = self.history, self.writer.live
         self.vectors.hold = self.scheduler.hold = lambda: history.active or live.busy()
-        self.scheduler.resume_in = lambda: None if history.active else live.quiet_in()
-        self.store.quiet_in = live.quiet_in  # the log is started over in a pause of the hooks (`Store.restart_log`)
+        self.scheduler.resume_in = lambda: None if history.active else live.resume_in()
+        self.store.resume_in = live.resume_in  # the log is started over in a pause of the hooks (`Store.restart_log`)
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,

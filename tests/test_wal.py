@@ -246,7 +246,7 @@ async def test_a_copied_log_is_started_over_in_a_pause_of_the_hooks_not_by_the_n
     header and waits for its fsync inside that COMMIT. The store does that write itself, once live hooks have paused,
     so the hook that comes next commits into a log already started over."""
     quiet_at = [time.monotonic() + 1.5]  # hooks arrived: they will have paused in 1.5 s
-    store.quiet_in = lambda: max(0.0, quiet_at[0] - time.monotonic())
+    store.resume_in = lambda: max(0.0, quiet_at[0] - time.monotonic())
     await store.commit_on_thread(lambda conn: conn.execute("CREATE TABLE IF NOT EXISTS wal_probe (key, value)"))
     before = log_restarts(store)
     for _ in range(3000):  # the checkpoint the commit's sync asked for copies all of the log

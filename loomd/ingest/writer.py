@@ -73,6 +73,8 @@ RECENT_ERRORS = 10
 # seconds (the model thinking); a burst of hooks, many agents at once or a spool replay is served first. A run begun
 # in a pause yields too: its next transaction waits (`workers.base.WorkerContext`).
 LIVE_QUIET_S = 0.5
+# Held background work resumes this long after the pause's end, so that it finds the pause begun (`resume_in`).
+RESUME_AFTER_S = 0.002
 # ... but a stream of live events that never pauses holds it back at most YIELD_MAX_S; from then on background work
 # gets a slice of BACKGROUND_SLICE_S in every BACKGROUND_EVERY_S, for as long as the stream lasts: it always progresses
 # (a sixth of the time, as the 2 s turn in every 12 s before), and a hook never waits behind more than what one slice
@@ -115,6 +117,11 @@ class LiveTraffic:
         """Seconds until live events will have paused LIVE_QUIET_S, if none arrives meanwhile (0: they have)."""
         now = time.monotonic() if now is None else now
         return max(0.0, self.last + LIVE_QUIET_S - now)
+
+    def resume_in(self, now: float | None = None) -> float:
+        """Seconds until background work held for live events may resume, if none arrives meanwhile (0: now)."""
+        left = self.quiet_in(now)
+        return left + RESUME_AFTER_S if left else 0.0
 
 
 @dataclass

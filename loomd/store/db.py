@@ -117,7 +117,6 @@ def migrate(conn: sqlite3.Connection, path: Path | str) -> int:
 # FULL commit syncs the whole log: every transaction committed before it, however committed, is on disk after it.
 # (The daemon's writer commits NORMAL and syncs the log after it, outside the writer's turn: `store.wal`, `Store`.)
 SYNCHRONOUS = "FULL"
-RESTART_AFTER_S = 0.002  # after the hooks' pause has begun, so that it has (`Store.restart_log`)
 
 
 def open_checked(path: Path, *, busy_timeout_ms: int = 5000) -> sqlite3.Connection:
@@ -254,9 +253,9 @@ class Store:
         # The log's checkpoints, off the writer (which never runs one: `open`), after the commits' syncs.
         self.checkpoints = Checkpoints(functools.partial(connect_sync, path, busy_timeout_ms=busy_timeout_ms),
                                        copied=self._log_copied)
-        # Seconds until live hooks will have paused (the daemon wires `LiveTraffic.quiet_in`): the log is started over
-        # in that pause (`restart_log`).
-        self.quiet_in: Callable[[], float] = lambda: 0.0
+        # Seconds until live hooks will have paused (the daemon wires `LiveTraffic.resume_in`): the log is started
+        # over in that pause (`restart_log`).
+        self.resume_in: Callable[[], float] = lambda: 0.0
         self.restarts = 0  # logs started over by `restart_log` (`status`)
         self._loop = asyncio.get_running_loop()
         self._restart: asyncio.Task[None] | None = None
@@ -322,8 +321,8 @@ class Store:
         live hooks: with a write of nothing (the database's own `user_version`, set to what it is), whose COMMIT
         writes the log's new header and waits for its fsync, which the next hook's COMMIT would otherwise wait for.
         Skipped when another process holds the write lock: then whoever writes next starts the log over, as before."""
-        while (left := self.quiet_in()) > 0:  # noqa: ASYNC110 - a predicate of time (the hooks pausing)
-            await asyncio.sleep(left + RESTART_AFTER_S)
+        while (left := self.resume_in()) > 0:  # noqa: ASYNC110 - a predicate of time (the hooks pausing)
+            await asyncio.sleep(left)
         holder = HOLDER.set("checkpoint")
         try:
             async with self._write_lock.hold():

@@ -48,7 +48,6 @@ OBSERVE_NOW = frozenset({"PreCompact", "SessionEnd", "compact_summary"})
 STOP_TIMEOUT_S = 10.0
 HOLD_RETRY_S = 0.25  # while held, a due run is tried again this much later (a slice of background time is 50 ms)
 # ... or sooner: when the hold is a pause in live hooks that will end before that, right after it ends (`resume_in`).
-RESUME_AFTER_S = 0.002
 
 
 class Worker(Protocol):
@@ -163,7 +162,7 @@ class Scheduler:
         assert self.aps is not None
         delay = HOLD_RETRY_S
         if (left := self.resume_in()) is not None:
-            delay = min(delay, left + RESUME_AFTER_S)
+            delay = min(delay, left)
         self._retry[name] = now + dt.timedelta(seconds=delay)
         self.aps.modify_job(name, next_run_time=self._retry[name])
 
