@@ -371,9 +371,10 @@ async def test_full_text_finds_the_same_hits_whichever_way_it_checks_the_filters
     try:
         knobs = retrieval.resolve_tuning(None)
 
+        terms = retrieval.fts_terms(db, query, knobs["fts_budget"], 44)
+
         def ranked(**how: Any) -> list[tuple[int, float]]:
-            return retrieval.fts_signal(db, query, where, params, 3, knobs["ctx_weight"], knobs["fts_budget"], 44,
-                                        **how)
+            return retrieval.fts_signal(db, terms, where, params, 3, knobs["ctx_weight"], 44, **how)
 
         statements: list[str] = []
         db.set_trace_callback(statements.append)
@@ -425,36 +426,52 @@ async def test_a_project_with_no_memories_yet_finds_its_first_at_once(client: As
     assert set(ids_of(await search(client, "flaky websocket test", mode="keyword", project="new"))) == {*ids, user}
 
 
-async def test_a_project_holding_many_is_counted_by_index_and_ranked_with_its_filters(
+async def test_a_project_holding_more_than_the_query_matches_is_counted_by_index_and_ranked_with_its_filters(
     client: AsyncClient, daemon: Daemon, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A project holding more than FEW_PASSING memories is not read, but its rows are counted by index, up to half
-    the index: full text then knows few of the index pass, and ranks with the filters at once. The same hits as when
-    its few memories were read first."""
+    """A project holding more than FEW_PASSING memories is read all the same while it holds no more than the query
+    matches in the whole index (scoring its matches among them costs less than ranking every match with the filters).
+    Holding more, it is not read, but its rows are counted by index, up to half the index: full text then knows few
+    of the index pass, and ranks with the filters at once. The same hits every way."""
     mine = await store_all(client, [f"the nightly vacuum of postgres took {i} minutes" for i in range(5)])
     await store_all(client, [f"postgres vacuum note {i}" for i in range(20)], project="other")
     await caught_up(client)
     query, ctx = "postgres vacuum minutes", daemon.retrieval_context()
-    read_first = await search(client, query, mode="keyword", tuning={"candidates": 3}, limit=3)
-    monkeypatch.setattr(retrieval, "FEW_PASSING", 3)
-    retrieval._MANY.clear()
-    retrieval._TOTALS.clear()
-    counts: list[str] = []
-    await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, counts.append)
-    try:
-        counted = await search(client, query, mode="keyword", tuning={"candidates": 3}, limit=3)
-    finally:
-        await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, None)
+
+    async def statements(few: int) -> tuple[list[Any], list[str]]:
+        monkeypatch.setattr(retrieval, "FEW_PASSING", few)
+        retrieval._MANY.clear()
+        retrieval._TOTALS.clear()
+        seen: list[str] = []
+        await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, seen.append)
+        try:
+            found = await search(client, query, mode="keyword", tuning={"candidates": 3}, limit=3)
+        finally:
+            await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, None)
+        return [(r["id"], r["explain"]["fts"]) for r in found], seen
+
+    # 5 memories, more than FEW_PASSING, fewer than the 25 the query matches: read, and only their matches scored.
+    read_first, _ = await statements(10**6)
+    found, few = await statements(3)
+    assert found == read_first and {i for i, _ in found} <= set(mine)
+    assert any("MATCH" in sql and "+rowid IN" in sql for sql in few), few
+    assert not any("LIMIT" in sql and "count(*)" in sql for sql in few), few
+    # 65, more than the query matches (at most 55, its terms' counts summed), under half of the 165 indexed.
+    await store_all(client, [f"the build cache of run {i} lives under .cache" for i in range(60)])
+    await store_all(client, [f"deploy step {i} pushes the image" for i in range(80)], project="other")
+    await caught_up(client)
+    read_first, _ = await statements(10**6)
+    found, counts = await statements(3)
+    assert found == read_first and {i for i, _ in found} <= set(mine)
     where, params = memory_filters("p", None, None, None, None, None, False)
-    assert retrieval._many_passing(ctx, where, params) == 5
-    assert [(r["id"], r["explain"]["fts"]) for r in counted] == [(r["id"], r["explain"]["fts"]) for r in read_first]
-    assert {r["id"] for r in counted} <= set(mine)
+    assert retrieval._many_passing(ctx, where, params) == 65
     count = next(sql for sql in counts if "LIMIT" in sql and "count(*)" in sql)
     plan = [r[3] for r in await daemon.store.fetchall("EXPLAIN QUERY PLAN " + count)]
     assert not any(step.startswith("SCAN m") for step in plan), plan  # the memories themselves are not read
     assert sum("USING COVERING INDEX" in step for step in plan) == 2, plan
     # Ranked with the filters (under half the index passes), not the best 2n of the whole index first.
     assert not any("EXISTS (SELECT 1 FROM memories m WHERE m.id = r.id" in sql for sql in counts), counts
+    assert not any("+rowid IN" in sql for sql in counts), counts
 
 
 async def test_a_search_stops_at_the_last_hit_its_caller_may_show(client: AsyncClient, daemon: Daemon) -> None:
