@@ -429,43 +429,48 @@ async def test_a_project_with_no_memories_yet_finds_its_first_at_once(client: As
 async def test_a_project_holding_more_than_the_query_matches_is_counted_by_index_and_ranked_with_its_filters(
     client: AsyncClient, daemon: Daemon, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A project holding more than FEW_PASSING memories is read all the same while it holds no more than the query
-    matches in the whole index (scoring its matches among them costs less than ranking every match with the filters).
-    Holding more, it is not read, but its rows are counted by index, up to half the index: full text then knows few
-    of the index pass, and ranks with the filters at once. The same hits every way."""
+    """A project found holding more than FEW_PASSING memories has its rows counted by index, up to half the index.
+    While it holds no more than the query matches in the whole index, it is read all the same (scoring its matches
+    among them costs less than ranking every match with the filters). Holding more, it is not read: full text then
+    knows few of the index pass, and ranks with the filters at once. The same hits every way."""
     mine = await store_all(client, [f"the nightly vacuum of postgres took {i} minutes" for i in range(5)])
     await store_all(client, [f"postgres vacuum note {i}" for i in range(20)], project="other")
     await caught_up(client)
     query, ctx = "postgres vacuum minutes", daemon.retrieval_context()
 
-    async def statements(few: int) -> tuple[list[Any], list[str]]:
+    async def statements(few: int) -> tuple[list[Any], list[str], list[str]]:
+        """The hits, the statements of a first search (which finds how many memories the project holds), and those
+        of a second."""
         monkeypatch.setattr(retrieval, "FEW_PASSING", few)
         retrieval._MANY.clear()
         retrieval._TOTALS.clear()
-        seen: list[str] = []
-        await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, seen.append)
-        try:
-            found = await search(client, query, mode="keyword", tuning={"candidates": 3}, limit=3)
-        finally:
-            await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, None)
-        return [(r["id"], r["explain"]["fts"]) for r in found], seen
+        seen: list[list[str]] = [[], []]
+        for statements in seen:
+            await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, statements.append)
+            try:
+                found = await search(client, query, mode="keyword", tuning={"candidates": 3}, limit=3)
+            finally:
+                await daemon.store.reader._execute(daemon.store.reader._conn.set_trace_callback, None)
+        return [(r["id"], r["explain"]["fts"]) for r in found], *seen
 
     # 5 memories, more than FEW_PASSING, fewer than the 25 the query matches: read, and only their matches scored.
-    read_first, _ = await statements(10**6)
-    found, few = await statements(3)
+    # (The first search found it holding more than FEW_PASSING: ranked with the filters, and the project counted.)
+    read_first, _, _ = await statements(10**6)
+    found, counting, few = await statements(3)
     assert found == read_first and {i for i, _ in found} <= set(mine)
+    assert any("LIMIT" in sql and "count(*)" in sql for sql in counting), counting
     assert any("MATCH" in sql and "+rowid IN" in sql for sql in few), few
     assert not any("LIMIT" in sql and "count(*)" in sql for sql in few), few
     # 65, more than the query matches (at most 55, its terms' counts summed), under half of the 165 indexed.
     await store_all(client, [f"the build cache of run {i} lives under .cache" for i in range(60)])
     await store_all(client, [f"deploy step {i} pushes the image" for i in range(80)], project="other")
     await caught_up(client)
-    read_first, _ = await statements(10**6)
-    found, counts = await statements(3)
+    read_first, _, _ = await statements(10**6)
+    found, counting, counts = await statements(3)
     assert found == read_first and {i for i, _ in found} <= set(mine)
     where, params = memory_filters("p", None, None, None, None, None, False)
     assert retrieval._many_passing(ctx, where, params) == 65
-    count = next(sql for sql in counts if "LIMIT" in sql and "count(*)" in sql)
+    count = next(sql for sql in counting if "LIMIT" in sql and "count(*)" in sql)
     plan = [r[3] for r in await daemon.store.fetchall("EXPLAIN QUERY PLAN " + count)]
     assert not any(step.startswith("SCAN m") for step in plan), plan  # the memories themselves are not read
     assert sum("USING COVERING INDEX" in step for step in plan) == 2, plan

@@ -572,9 +572,11 @@ def _counted(ctx: SearchContext, where: str, params: Sequence[Any]) -> int | Non
 # full text scores only its matches among them. Each match it checks costs about 1 us, each one it does not score
 # 2 us less, against reading a row of the project to list it, 1 us: a prompt's recall in a project of 429 memories
 # among 28k, matching 1,147-1,733 of them, scored them in 3.1-5.5 ms ranked with the filters, in 1.3-2.1 read first.
-# Holding more, it is taken to hold many for MANY_TTL_S, unread, and its rows are counted by index (`_rows_at_most`).
+# Found holding more than FEW_PASSING, its rows are counted by index (`_rows_at_most`), and that count decides for
+# MANY_TTL_S. It only chooses between ways that find the same hits, so it may be old: 10 minutes, not 1, so that a
+# prompt's recall every few minutes has it.
 FEW_PASSING = 200
-MANY_TTL_S = 60.0
+MANY_TTL_S = 600.0
 _MANY: dict[tuple[int, str, str], tuple[float, int]] = {}
 
 
@@ -582,21 +584,23 @@ def _passing_ids(
     ctx: SearchContext, conn: sqlite3.Connection, project: str, where: str, params: Sequence[Any],
     counted: int | None, indexed: int, matches: Callable[[], int],
 ) -> list[int] | None:
-    """The memories that pass a project's filters, read now, or None: the project holds more than FEW_PASSING and
-    more than `matches()`, how many memories the query matches at most (as `counted`, the last count, says, or a
-    count within MANY_TTL_S, or the read itself). Read now, not cached, so that a project with no memories, or a
-    handful, never ranks the full-text matches of the whole index (a prompt's: 3-20 ms at 8k).
+    """The memories that pass a project's filters, read now, or None: the project holds more than FEW_PASSING (the
+    read itself says so, and counts it), and more than `matches()`, how many memories the query matches at most (its
+    rows' count within MANY_TTL_S, or `counted`, the last count of those passing the filters, says so). Read now, not
+    cached, so that a project with no memories, or a handful, never ranks the full-text matches of the whole index (a
+    prompt's: 3-20 ms at 8k).
 
     At most that many + 1 of the project's rows are read (its archived ones count: a project GC has mostly
     archived is read no further), and the user-scope memories by their index (m013). Holding more, its rows are
     counted (`_rows_at_most`) for `_many_passing`."""
     key = _total_key(ctx, where, params)
     many = _MANY.get(key)
-    held = counted if counted is not None else many[1] if many and time.monotonic() - many[0] < MANY_TTL_S else None
+    # What it holds, as last counted: its rows (the read's cost: archived ones too), else those passing the filters.
+    held = many[1] if many and time.monotonic() - many[0] < MANY_TTL_S else counted
     most = FEW_PASSING
-    if held is None or held > most:
+    if held is not None and held > most:  # known to hold more than a few: read while the query matches as many
         most = max(FEW_PASSING, min(matches(), indexed // 2))
-        if held is not None and held > most:
+        if held > most:
             return None
     rows = conn.execute(f"SELECT m.id, {where} FROM memories m WHERE m.project = ? LIMIT ?",
                         [*params, project, most + 1]).fetchall()
