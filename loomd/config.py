@@ -88,6 +88,9 @@ class Config:
     # Wait for the prompt's hybrid search inside the UserPromptSubmit hook (an embedding: ~3-40 ms) instead of
     # answering with the keyword signals and delivering the rest with the next tool result.
     prompt_semantic_inline: bool = False
+    # How long the UserPromptSubmit hook waits for the prompt's keyword recall; past it the hook answers without a
+    # block and the prompt's hybrid search comes with the next tool result, as its semantic rest does. 0: never wait.
+    prompt_recall_budget_ms: int = 10
     # retrieval
     embedder: str = "local"
     embed_url: str = ""

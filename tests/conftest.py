@@ -97,6 +97,9 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("LOOMD_EMBEDDER", os.environ.get("LOOMD_TEST_EMBEDDER", "local"))
     # Never let a test daemon scan the developer's real ~/.codex sessions.
     monkeypatch.setenv("LOOMD_CODEX_HOME", str(path / "codex-home"))
+    # What a prompt's recall shows is tested apart from this machine's speed: a loaded runner must not turn a hook's
+    # block into a follow-up. The budget is tested with 0 (`test_context`) and measured by bench/hooks.py.
+    monkeypatch.setenv("LOOMD_PROMPT_RECALL_BUDGET_MS", "10000")
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -384,6 +384,26 @@ async def test_prompt_semantic_inline_answers_in_the_hook(inline_client: AsyncCl
     assert await tool_result(inline_client, "p4", 1) == ""  # nothing follows: it was all in the hook
 
 
+@pytest.mark.parametrize("budget_ms", [0, 10_000])
+async def test_a_keyword_recall_past_its_budget_follows_with_the_next_tool_result(
+        home: Path, sock_path: Path, monkeypatch: pytest.MonkeyPatch, budget_ms: int) -> None:
+    """With no time for the keyword recall in the hook, the prompt's whole block comes with the next tool result;
+    with time, the same prompt's block is in the hook."""
+    monkeypatch.setenv("LOOMD_PROMPT_RECALL_BUDGET_MS", str(budget_ms))
+    async with serving(sock_path), AsyncClient(sock_path) as client:
+        answer = await remember(client, "Staging migrations run with `make migrate ENV=staging`, with --dry-run first",
+                                "procedure")
+        await caught_up(client)
+        said = await hook(client, "UserPromptSubmit", session="late", prompt="how do I run the migrations on staging?")
+        if budget_ms:
+            assert said.startswith(PROMPT_OPEN) and f"#{answer}" in said
+            return
+        assert said == ""  # no time for the keyword recall: nothing in the hook...
+        block, _ = await follow_up(client, "late")  # ...and all of it with the next tool result
+        assert block.startswith(PROMPT_OPEN) and f"#{answer}" in block and "make migrate ENV=staging" in block
+        assert await tool_result(client, "late", 999) == ""  # delivered once
+
+
 @pytest.mark.parametrize(("prompt", "text", "explain", "expected"), [
     # a top keyword hit that holds most of the prompt's words
     ("why is the webhook test flaky in CI?", "The flaky webhook test needs REDIS_URL set; CI exports it in ci.yml",
