@@ -89,8 +89,9 @@ class Config:
     # answering with the keyword signals and delivering the rest with the next tool result.
     prompt_semantic_inline: bool = False
     # How long the UserPromptSubmit hook waits for the prompt's keyword recall; past it the hook answers without a
-    # block and the prompt's hybrid search comes with the next tool result, as its semantic rest does. 0: never wait.
-    prompt_recall_budget_ms: int = 10
+    # block and the prompt's hybrid search comes with the next tool result, as its semantic rest does (inside the
+    # shim's 150 ms `context_deadline_ms`, so that a slow recall follows instead of being lost). 0: never wait.
+    prompt_recall_budget_ms: int = 100
     # retrieval
     embedder: str = "local"
     embed_url: str = ""

@@ -25,6 +25,11 @@ from loomd.store.db import Store, connect_sync
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRE_ALL = os.environ.get("LOOMD_REQUIRE_ALL", "") not in ("", "0")
+# What a prompt's recall shows is tested apart from this machine's speed: a loaded runner must not turn a hook's
+# block into a follow-up, in any daemon a test starts (`DaemonProcess` passes this environment on). The budget itself
+# is tested with 0 (`test_context`) and measured by bench/hooks.py.
+RECALL_BUDGET = {"LOOMD_PROMPT_RECALL_BUDGET_MS": "10000"}
+os.environ.update(RECALL_BUDGET)
 
 
 AGENT_CLIS = ("claude", "codex")
@@ -92,14 +97,11 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("LOOMD_HOME", str(path))
     for name in list(os.environ):
         if name.startswith("LOOMD_") and name not in ("LOOMD_HOME", "LOOMD_TEST_DATA", "LOOMD_REQUIRE_ALL",
-                                                      "LOOMD_AGENTS_PREFIX"):
+                                                      "LOOMD_AGENTS_PREFIX", *RECALL_BUDGET):
             monkeypatch.delenv(name)
     monkeypatch.setenv("LOOMD_EMBEDDER", os.environ.get("LOOMD_TEST_EMBEDDER", "local"))
     # Never let a test daemon scan the developer's real ~/.codex sessions.
     monkeypatch.setenv("LOOMD_CODEX_HOME", str(path / "codex-home"))
-    # What a prompt's recall shows is tested apart from this machine's speed: a loaded runner must not turn a hook's
-    # block into a follow-up. The budget is tested with 0 (`test_context`) and measured by bench/hooks.py.
-    monkeypatch.setenv("LOOMD_PROMPT_RECALL_BUDGET_MS", "10000")
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

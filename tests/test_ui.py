@@ -64,7 +64,8 @@ def viewer() -> Iterator[Viewer]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMD_") or k == "LOOMD_TEST_DATA"}
     env.update(LOOMD_HOME=str(home), LOOMD_EMBEDDER=os.environ.get("LOOMD_TEST_EMBEDDER", "local"),
                LOOMD_PASSIVE="1", LOOMD_TAIL_TRANSCRIPTS="0", LOOMD_CODEX_HOME=str(home / "codex-home"),
-               LOOMD_MODEL_KEY=SECRET)  # no `model_api`: the key is never used, only shown masked
+               LOOMD_MODEL_KEY=SECRET,  # no `model_api`: the key is never used, only shown masked
+               LOOMD_PROMPT_RECALL_BUDGET_MS=os.environ["LOOMD_PROMPT_RECALL_BUDGET_MS"])  # conftest: not timed
     daemon = DaemonProcess(home, env)
     daemon.env = env
     daemon.start()
