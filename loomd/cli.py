@@ -93,6 +93,12 @@ def _health(s: dict[str, Any]) -> str:
     if aside or spool.get("last_error"):
         lines.append(f"\nspool: {', '.join(f'{v} {k}' for k, v in aside.items()) or 'nothing set aside'}"
                      + (f"; {spool['last_error']}" if spool.get("last_error") else ""))
+    journal = s.get("journal") or {}
+    if journal.get("broken"):
+        lines.append(f"\nhook journal broken ({journal['broken']}): hooks are answered after their commit")
+    elif journal.get("retries"):
+        lines.append(f"\nhook journal: {journal['retries']} failed commit(s) of answered hooks tried again,"
+                     f" {journal['unsettled']} not committed yet")
     return "".join(lines)
 
 

@@ -33,6 +33,10 @@ class Paths:
         return self.runtime_dir / "loomd.sock"
 
     @property
+    def journal(self) -> Path:
+        return self.data_dir / "hooks.journal"
+
+    @property
     def spool(self) -> Path:
         return self.state_dir / "spool"
 
@@ -70,6 +74,9 @@ class Config:
     # hook path
     context_deadline_ms: int = 150
     ack_deadline_ms: int = 1000
+    # The hook journal (ingest/journal.py): a hook is answered once its bytes are synced to this file, and committed
+    # to the store after its reply. Its size, allocated once; 0: off (every hook is answered after its commit).
+    hook_journal_bytes: int = 8 << 20
     capture_rate_per_session: int = 60
     auto_capture: bool = True  # the capture rules at ingest (ingest/capture.py); off: only the workers distill
     # Kinds of memory never written by the capture rules or the reflector (comma-separated, e.g. "insight,error");

@@ -31,6 +31,7 @@ from loomd.context.planner import Planner
 from loomd.errors import LoomdError
 from loomd.ingest.capture import Capturer
 from loomd.ingest.history import HistoryImporter
+from loomd.ingest.journal import HookJournal, done_notes, replay, to_replay
 from loomd.ingest.spool import Spool
 from loomd.ingest.tailer import Tailer
 from loomd.ingest.writer import EventWriter
@@ -110,6 +111,7 @@ class Daemon:
         self.writer: EventWriter
         self.server: Server | None = None
         self.spool: Spool | None = None
+        self.journal: HookJournal | None = None
         self.tailer: Tailer | None = None
         self.scheduler: Scheduler | None = None
         self.ops: Ops | None = None
@@ -178,10 +180,11 @@ class Daemon:
         self.vectors.hold = self.scheduler.hold = lambda: history.active or live.busy()
         self.scheduler.resume_in = lambda: None if history.active else live.resume_in()
         self.store.resume_in = live.resume_in  # the log is started over in a pause of the hooks (`Store.restart_log`)
+        self.journal = await self._open_journal()
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,
-            history=self.history, sync=self.sync, shared_search=self.shared_search))
+            history=self.history, sync=self.sync, shared_search=self.shared_search, journal=self.journal))
         self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
                              max_inflight=self.config.max_inflight, served=self._served)
         if self.listen_sock is not None:
@@ -203,6 +206,22 @@ class Daemon:
             memory.freeze_startup()  # everything is built: what is alive now lives as long as the daemon
         log.info("loomd %s listening on %s (db %s)", __version__, self.socket_path, paths.db)
         sd_notify("READY=1\nSTATUS=serving")
+
+    async def _open_journal(self) -> HookJournal | None:
+        """The hook journal, its records not committed before a crash replayed first (before any client is served);
+        None when it is off. One that cannot be opened says so once (`status`'s `journal.broken`), and every hook is
+        then answered after its commit."""
+        if self.config.hook_journal_bytes <= 0:
+            return None
+        journal = HookJournal(self.config.paths.journal, self.config.hook_journal_bytes, self.writer)
+        file_epoch, records = await asyncio.to_thread(journal.open)
+        done_epoch, notes = await self.store.read(done_notes)
+        left = to_replay(file_epoch, records, done_epoch, notes.get(file_epoch or 0, set()))
+        if left:
+            stored = await replay(journal, left)
+            log.info("replayed %d journaled hook(s) whose commit was not known: %d new", len(left), stored)
+        journal.begin(max(file_epoch or 0, done_epoch or 0) + 1)
+        return journal
 
     def _claim_folders(self) -> None:
         """Create or check our folders, then take the lock; refuse (exit 3) what another user placed or may change.
@@ -297,6 +316,8 @@ class Daemon:
             await self.shared_search.close()
         if hasattr(self, "writer"):
             await self.writer.stop()
+        if self.journal is not None:
+            self.journal.close()  # after the writer: every record it held is committed
         if hasattr(self, "history"):
             await self.history.close()  # its parser processes (after the writer: no import is left to parse for)
         if hasattr(self, "vectors"):
@@ -342,6 +363,7 @@ class Daemon:
             "embedder": self.vectors.status(), "tailer": tailer,
             "offload": {**self.offload.status(), "import_parsers": self.history.pool.status()},
             "import": {"running": self.history.active, "files_in_flight": self.history.in_flight},
+            "journal": self.journal.status() if self.journal is not None else {"on": False},
             "service": {"answer": self.answered.summary(), "arrival": self.arrived.summary()},
             "memory": memory.usage(), "time_slice_ns": offload.thread_slice(),
         }

@@ -13,10 +13,11 @@ from typing import Any
 
 from loomd import __version__
 from loomd.config import Config
-from loomd.context.planner import Planner
+from loomd.context.planner import Planner, StartRead
 from loomd.errors import BadRequest, Busy, SharedError
-from loomd.ingest.events import INGEST_ARGS, LATEST_TS, sent_at
+from loomd.ingest.events import INGEST_ARGS, LATEST_TS, Event, sent_at
 from loomd.ingest.history import HistoryImporter
+from loomd.ingest.journal import Entry, HookJournal
 from loomd.ingest.project import project_of
 from loomd.ingest.writer import EventWriter
 from loomd.protocol import REQUIRED, ArgSpec, takes
@@ -38,6 +39,15 @@ from loomd.workers.scheduler import Scheduler
 def _page(a: dict[str, Any], top: int = 500) -> None:
     if not (1 <= a["limit"] <= top and a["offset"] >= 0):
         raise BadRequest(f"'limit' must be 1-{top} and 'offset' at least 0")
+
+
+def _after_settled(journal: HookJournal, handler: Callable[[dict[str, Any]], Awaitable[Any]],
+                   ) -> Callable[[dict[str, Any]], Awaitable[Any]]:
+    async def settled_first(a: dict[str, Any]) -> Any:
+        await journal.settled()
+        return await handler(a)
+
+    return settled_first
 
 
 def _ids(value: Any) -> list[int]:
@@ -62,6 +72,7 @@ class Services:
     # requests, embedder and tailer state, and the health of each background task.
     runtime: Callable[[], dict[str, Any]]
     history: HistoryImporter  # `loom import`: the scan of existing Claude Code / Codex history, one file at a time
+    journal: HookJournal | None = None  # hooks answered once journaled, committed after (None: after their commit)
     sync: SyncEngine | None = None  # shared memory on PostgreSQL (loomd/team/)
     shared_search: SharedSearch | None = None
 
@@ -73,7 +84,15 @@ class Ops:
         self.s = services
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Any]]]:
-        return {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
+        found = {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
+        journal = self.s.journal
+        if journal is None:
+            return found
+        # Every op but a hook and a ping first waits for the commits of the hooks answered already: a script that
+        # sends a hook and then asks for its events or counts finds them, as when a hook's answer waited for its
+        # commit. (A commit held up fails within `busy_timeout_ms`, and the wait with it.)
+        return {op: handler if op in ("hook", "ping") else _after_settled(journal, handler)
+                for op, handler in found.items()}
 
     @classmethod
     def specs(cls) -> dict[str, ArgSpec]:
@@ -97,6 +116,7 @@ class Ops:
             "embedder": run["embedder"], "versions": await self.s.store.versions(),
             "tailer": run["tailer"], "tailers": run["tailer"], "spool": run["spool"], "tasks": run["tasks"],
             "storage": self._storage(db), "offload": run["offload"], "import": run["import"],
+            "journal": run["journal"],
             "writer": {"waiting": self.s.store.write_waiting, "holds": self.s.store.holds.summary(),
                        "gave_way": self.s.store.gave_way},
             "shared": await self.s.sync.status() if self.s.sync is not None else {"configured": False},
@@ -152,10 +172,16 @@ class Ops:
         event = await self.s.writer.parser.hook(a["agent"], a["event"], a["raw"], a["eid"],
                                                 max_chars=self.s.config().max_tool_output_chars,
                                                 now=sent_at(a["sent_at"]))
-        # The context is read while the event commits; the reply (the ack) still waits for the commit. A hook with
-        # nothing to read is committed right here when it came alone (`EventWriter.enqueue`, `here`), and so is a new
-        # session's, whose start block is read inside that commit (`Planner.start_read`).
         start = self.s.planner.start_read(event) if a["context"] else None
+        if self.s.journal is not None:
+            if not event.project:  # resolved before the record is written: nothing awaits between it and the enqueue
+                event.project = await project_of(event.cwd)
+            entry = self.s.journal.append(event)
+            if entry is not None:
+                return await self._journaled(a, event, entry, start)
+        # The context is read while the event commits; the reply (the ack) waits for the commit. A hook with nothing to
+        # read is committed right here when it came alone (`EventWriter.enqueue`, `here`), and so is a new session's,
+        # whose start block is read inside that commit.
         reads = a["context"] and self.s.planner.reads(event)
         written = await self.s.writer.enqueue([event], here=not reads, also=start)
         try:
@@ -167,6 +193,50 @@ class Ops:
         finally:
             await asyncio.shield(written)
         return {"stored": int(event.stored), "stdout": stdout}
+
+    async def _journaled(self, a: dict[str, Any], event: Event, entry: Entry, start: StartRead | None,
+                         ) -> dict[str, Any]:
+        """A hook the journal holds: answered once its record is synced, committed after (`ingest/journal.py`).
+        `stored` is 1, "durable": whether it was new is known at its commit.
+
+        A hook with nothing to read meanwhile queues its commit only after the sync: the writer's task, woken by it,
+        would otherwise run the commit (on the loop's thread) before this request's reply is written; one that came
+        alone is synced right here (`sync_alone`). A new session's start block is read here, on the loop's thread
+        (`StartRead.read_here`). A prompt that asks memory something, and a compaction's block, read on the reader's
+        thread: their marks need the commit's future, and the first read is queued before the sync runs."""
+        journal = self.s.journal
+        assert journal is not None
+        deadline = a["deadline_ms"] or self.s.config().context_deadline_ms
+        if a["context"] and self.s.planner.reads(event):
+            written = await journal.commit(entry, [event])
+            reading = asyncio.ensure_future(self.s.planner.for_hook(event, deadline, written))
+            journal.sync_soon()
+            try:
+                await self._journal_synced(entry, event, written)
+                return {"stored": 1, "stdout": await reading}
+            finally:
+                if not reading.done():
+                    reading.cancel()
+        if start is not None:
+            start.read_here(self.s.store)
+        journal.sync_alone()
+        written = await self._journal_synced(entry, event, None)
+        if a["context"]:
+            return {"stored": 1, "stdout": await self.s.planner.for_hook(event, deadline, written, start)}
+        return {"stored": 1, "stdout": await self.s.planner.after_event(event, written)}
+
+    async def _journal_synced(self, entry: Entry, event: Event, written: asyncio.Future[list[Event]] | None,
+                              ) -> asyncio.Future[list[Event]]:
+        """Wait for the entry's sync, then (unless `written`) queue its commit; if the journal failed the sync (it
+        says so once), wait for that commit instead: the event is durable through the store."""
+        journal = self.s.journal
+        assert journal is not None
+        try:
+            await entry.synced
+        except OSError:
+            written = written or await journal.commit(entry, [event])
+            await asyncio.shield(written)
+        return written or await journal.commit(entry, [event])
 
     @takes({"sources": (list, ["claude", "codex"]), "claude_dir": (str, None), "codex_dir": (str, None),
             "since": (float, None), "project": (str, None)})

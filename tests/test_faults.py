@@ -341,8 +341,13 @@ def test_kill_9_under_8_concurrent_real_shim_processes(daemon_process: Callable[
 @pytest.mark.slow
 def test_file_size_limit_during_ingest(daemon_process: Callable[..., DaemonProcess], home: Path,
                                        drivers: Callable[..., Drivers]) -> None:
-    """RLIMIT_FSIZE on the running daemon: clear `storage` errors, the shims spool, replay once space returns."""
-    proc = start(daemon_process, home)
+    """RLIMIT_FSIZE on the running daemon: clear `storage` errors, the shims spool, replay once space returns.
+
+    With the hook journal off: with it, a hook is answered once its record is in the journal's preallocated file,
+    which the limit does not reach, and a failed commit is the daemon's to try again
+    (`test_journal.py::test_a_commit_that_fails_after_the_answer_is_tried_again`); this is the path every hook takes
+    once the journal is full or broken."""
+    proc = start(daemon_process, home, LOOMD_HOOK_JOURNAL_BYTES="0")
     assert proc.proc is not None
     warm = drivers(home, 1, 20, tag="warm")
     warm_records, _ = warm.wait()

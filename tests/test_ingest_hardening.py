@@ -103,6 +103,8 @@ async def test_repeated_prompts_are_all_kept(order: str, daemon: Daemon, home: P
         for i in range(3):
             await hooks_of_a_turn(home, sid, path, i)
     await wait_until(caught_up(daemon, path), "the transcript")
+    async with AsyncClient(home / "loomd.sock") as client:
+        await client.call("stats")  # answered after the commits of the hooks answered before it
     prompts = query(home, "SELECT source, dedup FROM events WHERE session_id = ? AND kind IN"
                           " ('UserPromptSubmit', 'user_message') ORDER BY id", (sid,))
     assert len(prompts) == 3, prompts

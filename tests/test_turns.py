@@ -50,7 +50,7 @@ async def test_a_hooks_commit_goes_before_waiting_worker_transactions(daemon: Da
         raw = json.dumps({"session_id": "turns", "cwd": "/tmp", "hook_event_name": "Stop", "stop_hook_active": False})
         hook = asyncio.create_task(client.call("hook", event="Stop", agent="claude", raw=raw.encode()))
         await until(lambda: store.write_waiting == 3, "the hook's commit to wait")
-        assert seen == [] and not hook.done()
+        assert seen == []  # (the hook may be answered already: the journal holds it)
     finally:
         release.set()  # a failure above must not leave the writer held: the daemon could never stop
     assert (await hook)["stored"] == 1

@@ -68,6 +68,7 @@ class StartRead:
 
     event: Event
     found: tuple[str | None, list[Line], dict[str, int]] | None = None
+    in_commit: bool = True  # read by the event's commit (which the block then waits for), not `read_here`
 
     async def __call__(self, db: aiosqlite.Connection, events: Sequence[Event]) -> None:
         self.found = None  # a group commit that failed runs each submitter's `also` again (`_commit_apart`)
@@ -75,6 +76,16 @@ class StartRead:
             self.found = read_start(self.event.project, time.time(), self.event.session_id, plain(db))
         except Exception as exc:  # noqa: BLE001 - never the event's loss: the block is read apart (`Planner.start`)
             log.warning("start block of session %s not read in its commit: %r", self.event.session_id, exc)
+
+    def read_here(self, store: Store) -> None:
+        """For a SessionStart the hook journal holds, answered before its commit: the same read, on the event loop's
+        thread right away (`Store.read_here`); a read that finds the database busy is left to `Planner.start`."""
+        self.in_commit = False
+        try:
+            self.found = store.read_here(functools.partial(read_start, self.event.project, time.time(),
+                                                           self.event.session_id))
+        except sqlite3.Error as exc:
+            log.info("start block of session %s read apart: %r", self.event.session_id, exc)
 
 
 class Planner:
@@ -259,7 +270,8 @@ class Planner:
             return frozen, []
         found: tuple[str | None, list[Line], dict[str, int]] | None = None
         if read is not None:
-            await _durable(written)
+            if read.in_commit:
+                await _durable(written)
             found = read.found
         if found is None:  # the session's frozen block, or what a new one shows: one trip to the reader's thread
             found = await self.store.read(functools.partial(read_start, project, time.time(), session_id))

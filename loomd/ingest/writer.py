@@ -59,6 +59,7 @@ class Batch:
     future: asyncio.Future[list[Event]]
     also: Processor | None = None
     committed: int = 0  # a bulk batch's events committed so far (its slices)
+    answered: bool = False  # its submitter did not wait for this commit (the hook journal holds the events)
 
 
 # A bulk slice holds the writer about this long: what a hook arriving meanwhile waits for, besides its own commit.
@@ -185,12 +186,14 @@ class EventWriter:
         return await asyncio.shield(await self.enqueue(events, also, bulk=bulk))
 
     async def enqueue(self, events: list[Event], also: Processor | None = None, *, bulk: bool = False,
-                      here: bool = False) -> asyncio.Future[list[Event]]:
+                      here: bool = False, answered: bool = False) -> asyncio.Future[list[Event]]:
         """`submit` without the wait: the future of the commit that will hold the events (resolved after it, with the
         events; or failed). For a caller with more to do meanwhile (a hook's context), without a task of its own.
 
         `here` (a hook with nothing to read while it commits): if the events came alone and no live commit is queued,
-        they are committed in the caller's task, and the future returned is resolved already (`_commit_here`)."""
+        they are committed in the caller's task, and the future returned is resolved already (`_commit_here`).
+        `answered` (a hook the journal holds, answered without waiting for this commit): its log's sync runs on the
+        sync thread, never on the event loop's, where it would hold up the hooks that do wait (`_commit_live`)."""
         if bulk:
             events = outside(self.ignored.roots(), events)  # a live submitter's: at its group commit (`_commit_live`)
         else:
@@ -199,7 +202,7 @@ class EventWriter:
             if not event.project:
                 event.project = await project_of(event.cwd)
         future: asyncio.Future[list[Event]] = asyncio.get_running_loop().create_future()
-        batch = Batch(events, future, also)
+        batch = Batch(events, future, also, answered=answered)
         if here and not bulk and self.live.alone and self._queue.empty():
             await self._commit_here(batch)
             return future
@@ -257,7 +260,7 @@ class EventWriter:
         failed: dict[int, Exception] = {}
         number: int | None = None  # the log's sync that makes the group commit durable
         try:
-            number = await self._commit(batch, alone=size == 1 and self.live.alone)
+            number = await self._commit(batch, alone=size == 1 and self.live.alone and not batch[0].answered)
         except Exception as exc:  # noqa: BLE001 - every waiter must hear about a failed commit
             failed = await self._commit_apart(batch, exc)
         await self._acknowledge(batch, failed, queue,

@@ -240,7 +240,7 @@ class Store:
     """Owns the database. Writes go through `atomic()` (serialised); reads use a second connection."""
 
     def __init__(self, path: Path, writer: aiosqlite.Connection, reader: aiosqlite.Connection,
-                 background: aiosqlite.Connection, *, busy_timeout_ms: int = 5000) -> None:
+                 background: aiosqlite.Connection, here: sqlite3.Connection, *, busy_timeout_ms: int = 5000) -> None:
         self.path = path
         self.busy_timeout_ms = busy_timeout_ms  # the writer's wait for another process's lock (`commit_on_thread`)
         self.writer = writer
@@ -248,6 +248,7 @@ class Store:
         # The workers' reads (the observer's chunks of full payloads) on a connection and thread of their own: on the
         # shared reader a hook's recall queued behind them (a UserPromptSubmit answered in 100 ms during a catch-up).
         self.background = background
+        self._here = here
         self._write_lock = WriteTurns()
         self.gave_way = 0  # transactions that gave way to a hook's commit so far, each run again after it (`status`)
         # The log's checkpoints, off the writer (which never runs one: `open`), after the commits' syncs.
@@ -285,7 +286,15 @@ class Store:
             await reader.close()
             await writer.close()
             raise
-        return cls(path, writer, reader, background, busy_timeout_ms=busy_timeout_ms)
+        try:
+            here = await asyncio.to_thread(connect_sync, path, busy_timeout_ms=0)
+        except BaseException:
+            await background.close()
+            await reader.close()
+            await writer.close()
+            raise
+        here.execute("PRAGMA query_only = ON")
+        return cls(path, writer, reader, background, here, busy_timeout_ms=busy_timeout_ms)
 
     @property
     def holds(self) -> Durations:
@@ -346,6 +355,7 @@ class Store:
             await asyncio.to_thread(self.checkpoints.close)
             await self.background.close()
             await self.reader.close()
+            self._here.close()
             await self.writer.close()
         await self.wal.close()  # the syncs owed to the last commits
 
@@ -456,6 +466,12 @@ class Store:
         # One trip to the reader's thread (execute, fetch and close there), not three: on the hook path each trip
         # costs about as much as a small query.
         return list(await (self.background if background else self.reader).execute_fetchall(sql, tuple(params)))
+
+    def read_here(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` over a read-only connection of the event loop's own thread, right away: a hook's one small read when
+        a trip to the reader's thread and back would cost it more than the read (a start block answered before its
+        commit: `StartRead.read_here`). It never waits for a lock (a busy read raises): the loop must not block."""
+        return fn(self._here)
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """`fn` over the hooks' reader's sqlite3 handle, on its thread, in one trip: for a hook's reads that follow

@@ -410,3 +410,11 @@ def m013_user_scope_index(db: sqlite3.Connection) -> None:
     follow the user into every project) by this one, not by reading every memory (8 ms at 8k memories; 0.02 ms for
     a project with none). The project filter's own `OR +m.scope = 'user'` stays out of it (`memory_filters`)."""
     db.execute("CREATE INDEX IF NOT EXISTS memories_user_scope ON memories(scope) WHERE scope = 'user'")
+
+
+@migration
+def m014_hook_journal(db: sqlite3.Connection) -> None:
+    """The hook journal's records whose event is committed (`ingest/journal.py`), noted in the event's own commit:
+    a start replays only the others, so an event forgotten or purged after its commit is never brought back."""
+    db.execute("CREATE TABLE IF NOT EXISTS journal_done (epoch INTEGER NOT NULL, seq INTEGER NOT NULL,"
+               " PRIMARY KEY (epoch, seq)) WITHOUT ROWID")
