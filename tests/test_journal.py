@@ -253,3 +253,15 @@ def test_the_journal_keeps_the_event_redacted_never_the_raw_bytes(daemon_up: Cal
     proc.start()
     ((payload,),) = query(home, "SELECT payload FROM events WHERE key = 'eid:secret-0'")
     assert GITHUB_PAT not in payload and "cat .env" in payload
+
+
+def test_a_payload_msgpack_cannot_hold_takes_the_direct_path(daemon_up: Callable[..., DaemonProcess],
+                                                             home: Path) -> None:
+    """JSON holds integers of any size, msgpack 64 bits at most: such an event is answered after its commit."""
+    proc = daemon_up()
+    body = json.dumps({"session_id": "big", "hook_event_name": "Stop", "cwd": "/tmp/journal-test",
+                       "n": 10**30}).encode()
+    with Client(proc.sock) as c:
+        assert c.call("hook", agent="claude", event="Stop", raw=body, eid="big-0")["stored"] == 1
+        assert c.call("status")["journal"]["direct"] == 1
+    assert stored(home / "loomd.db", "big") == ["eid:big-0"]

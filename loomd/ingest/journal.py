@@ -208,7 +208,11 @@ class HookJournal:
             self.direct += 1
             return None
         fields = event_fields(event)
-        record = record_bytes(self.epoch, self.seq, fields)
+        try:
+            record = record_bytes(self.epoch, self.seq, fields)
+        except (OverflowError, TypeError, ValueError):  # what msgpack cannot hold (an integer past 64 bits)
+            self.direct += 1
+            return None
         if len(record) > self.size // MAX_RECORD_SHARE:
             self.direct += 1
             return None
