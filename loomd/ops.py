@@ -174,7 +174,7 @@ class Ops:
                                                 now=sent_at(a["sent_at"]))
         start = self.s.planner.start_read(event) if a["context"] else None
         if self.s.journal is not None:
-            if not event.project:  # resolved before the record is written: nothing awaits between it and the enqueue
+            if not event.project:  # resolved before the record is written: a replay commits the same project
                 event.project = await project_of(event.cwd)
             entry = self.s.journal.append(event)
             if entry is not None:
