@@ -9,8 +9,10 @@ the daemon is started again and the replay rate is timed. Prints one JSON object
 
 Per run it also reports the daemon's CPU per event (its own process and the offload process, from /proc: a
 measure that machine noise moves less than the wall clock), the background transactions committed while the clients
-ran (per writer holder: the back-fill, each worker), 8 concurrent clients sending only `ping` on a fresh connection
-each (what the connection handling alone allows), and the issue #17 acceptance checks. The clients start once the
+ran (per writer holder: the back-fill, each worker), the hook journal's counts after each client run (`journal`:
+hooks journaled, and those that came with others and shared a group commit instead), 8 concurrent clients sending
+only `ping` on a fresh connection each (what the connection handling alone allows), and the issue #17 acceptance
+checks. The clients start once the
 full daemon has loaded its embedding model (`embedder_ready_s`), as a daemon that has been running does. `--repo` runs
 the daemon from another checkout (the same bench, the code before a change: run both back to back).
 
@@ -352,7 +354,11 @@ def bench_config(root: Path, name: str, extra: dict[str, str], opts: argparse.Na
         out["pings_8"] = concurrent_pings(home, 8, 100 if opts.quick else 500)
         out["clients_1"] = run_clients(home, 1, events // 4 if opts.quick else events // 2, opts.size, "one",
                                        proc.pid)
+        # The hook journal's counts so far (`status`): hooks journaled (`appended`), and those that came with others
+        # and shared a commit instead (`together`).
+        out["clients_1"]["journal"] = status(home).get("journal")
         out["clients_8"] = run_clients(home, 8, events // 8, opts.size, "eight", proc.pid)
+        out["clients_8"]["journal"] = status(home).get("journal")
     finally:
         out["daemon_exit"] = stop_daemon(proc)
     replay_home = root / f"{name}-replay"

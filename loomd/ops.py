@@ -19,7 +19,7 @@ from loomd.ingest.events import INGEST_ARGS, LATEST_TS, Event, sent_at
 from loomd.ingest.history import HistoryImporter
 from loomd.ingest.journal import Entry, HookJournal
 from loomd.ingest.project import project_of
-from loomd.ingest.writer import EventWriter
+from loomd.ingest.writer import EventWriter, LiveTraffic
 from loomd.protocol import REQUIRED, ArgSpec, takes
 from loomd.search import browse
 from loomd.search.floor import Floor, apply_floor, top_signal
@@ -82,6 +82,9 @@ class Ops:
 
     def __init__(self, services: Services) -> None:
         self.s = services
+        # A hook that comes among others (in flight, or just before it) skips the journal (`HookJournal.append`).
+        self.hooks_in_flight = 0
+        self.hook_arrivals = LiveTraffic()
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Any]]]:
         found = {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
@@ -169,6 +172,14 @@ class Ops:
     })
     async def handle_hook(self, a: dict[str, Any]) -> dict[str, Any]:
         """A raw hook event from the shim: store it durably, then answer with what to print (maybe nothing)."""
+        self.hooks_in_flight += 1
+        self.hook_arrivals.arrived()
+        try:
+            return await self._hook(a)
+        finally:
+            self.hooks_in_flight -= 1
+
+    async def _hook(self, a: dict[str, Any]) -> dict[str, Any]:
         event = await self.s.writer.parser.hook(a["agent"], a["event"], a["raw"], a["eid"],
                                                 max_chars=self.s.config().max_tool_output_chars,
                                                 now=sent_at(a["sent_at"]))
@@ -176,7 +187,10 @@ class Ops:
         if self.s.journal is not None:
             if not event.project:  # resolved before the record is written: a replay commits the same project
                 event.project = await project_of(event.cwd)
-            entry = self.s.journal.append(event)
+            # Together: another hook is in flight (waiting for a commit, or its context), or came just before this
+            # one (handled at once, each in one turn of the loop, as the hooks of many agents or of a replay are).
+            together = self.hooks_in_flight > 1 or not self.hook_arrivals.alone
+            entry = self.s.journal.append(event, together=together)
             if entry is not None:
                 return await self._journaled(a, event, entry, start)
         # The context is read while the event commits; the reply (the ack) waits for the commit. A hook with nothing to
@@ -199,11 +213,12 @@ class Ops:
         """A hook the journal holds: answered once its record is synced, committed after (`ingest/journal.py`).
         `stored` is 1, "durable": whether it was new is known at its commit.
 
-        A hook with nothing to read meanwhile queues its commit only after the sync: the writer's task, woken by it,
-        would otherwise run the commit (on the loop's thread) before this request's reply is written; one that came
-        alone is synced right here (`sync_alone`). A new session's start block is read here, on the loop's thread
+        A hook with nothing to read meanwhile queues its commit only after the sync, which runs right here
+        (`sync_here`): the writer's task, woken by the commit, would otherwise run it (on the loop's thread) before
+        this request's reply is written. A new session's start block is read here, on the loop's thread
         (`StartRead.read_here`). A prompt that asks memory something, and a compaction's block, read on the reader's
-        thread: their marks need the commit's future, and the first read is queued before the sync runs."""
+        thread while the record is synced on another (`sync_soon`): their marks need the commit's future, and the
+        first read is queued before the sync runs."""
         journal = self.s.journal
         assert journal is not None
         deadline = a["deadline_ms"] or self.s.config().context_deadline_ms
@@ -219,7 +234,7 @@ class Ops:
                     reading.cancel()
         if start is not None:
             start.read_here(self.s.store)
-        journal.sync_alone()
+        journal.sync_here()
         written = await self._journal_synced(entry, event, None)
         if a["context"]:
             return {"stored": 1, "stdout": await self.s.planner.for_hook(event, deadline, written, start)}

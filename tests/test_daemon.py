@@ -25,6 +25,7 @@ from loomd import protocol
 from loomd.client import AsyncClient, Client, RemoteError
 from loomd.daemon import Daemon
 from loomd.ingest.events import prompt_dedup
+from loomd.ingest.writer import ALONE_AFTER_S
 from loomd.memory import MALLOC_ARENAS
 
 
@@ -178,6 +179,7 @@ async def test_fifty_concurrent_clients_lose_and_duplicate_nothing(client: Async
 async def test_replayed_event_is_stored_once(client: AsyncClient) -> None:
     raw = hook_payload(event="Stop", last_assistant_message="done")
     first = await client.call("hook", raw=raw, eid="same-eid", event="Stop")
+    await asyncio.sleep(2 * ALONE_AFTER_S)  # alone, as an agent's hooks come: the journal holds it too
     second = await client.call("hook", raw=raw, eid="same-eid", event="Stop")
     third = await client.call("ingest", raw=raw)  # no eid: the content is the key
     fourth = await client.call("ingest", raw=raw)

@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from secret_corpus import GITHUB_PAT
 
 from loomd.client import Client
 from loomd.ingest.journal import HEADER, Record, record_bytes, scan, to_replay
+from loomd.ingest.writer import ALONE_AFTER_S
 
 LOCKER = r"""
 import sys, time, sqlite3
@@ -54,6 +56,8 @@ def raw(session: str, n: int, kind: str = "PostToolUse") -> bytes:
 
 
 def hook(sock: Path, session: str, n: int) -> dict[str, Any]:
+    """One hook as an agent sends it: well after the one before (a hook that comes with others skips the journal)."""
+    time.sleep(2 * ALONE_AFTER_S)
     with Client(sock, timeout=5) as c:
         return c.call("hook", agent="claude", event="PostToolUse", raw=raw(session, n), eid=f"{session}-e{n}")
 
@@ -140,6 +144,7 @@ def test_a_reader_sees_the_events_of_the_hooks_it_was_answered_for(daemon_up: Ca
     proc = daemon_up()
     with Client(proc.sock) as c:
         for n in range(20):
+            time.sleep(2 * ALONE_AFTER_S)
             c.call("hook", agent="claude", event="PostToolUse", raw=raw("rw", n))
             # The next op waits for the commits of the hooks answered before it (`Ops.handlers`).
             assert len(c.call("events", session_id="rw", limit=100)["events"]) == n + 1
@@ -265,3 +270,44 @@ def test_a_payload_msgpack_cannot_hold_takes_the_direct_path(daemon_up: Callable
         assert c.call("hook", agent="claude", event="Stop", raw=body, eid="big-0")["stored"] == 1
         assert c.call("status")["journal"]["direct"] == 1
     assert stored(home / "loomd.db", "big") == ["eid:big-0"]
+
+
+def test_a_hook_that_comes_while_another_is_in_flight_is_answered_after_its_commit(
+        daemon_up: Callable[..., DaemonProcess], home: Path) -> None:
+    """Hooks that come together share a group commit instead of a record and a sync each (`HookJournal.append`):
+    the second hook, arriving while the first (a payload the journal cannot hold: the direct path) waits for its
+    commit, waits for its own. A hook that comes alone afterwards is journaled again."""
+    proc = daemon_up()
+    db = home / "loomd.db"
+    assert hook(proc.sock, "warm", 0)["stored"] == 1
+    big = json.dumps({"session_id": "first", "hook_event_name": "Stop", "cwd": "/tmp/journal-test",
+                      "n": 10**30}).encode()
+    answered: dict[str, int] = {}
+
+    def send(name: str, event: str, body: bytes) -> None:
+        with Client(proc.sock, timeout=30) as c:
+            answered[name] = c.call("hook", agent="claude", event=event, raw=body, eid=f"{name}-0")["stored"]
+
+    def until(check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while not check(status := journal_status(proc.sock)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return status
+
+    with write_lock(db):
+        first = threading.Thread(target=send, args=("first", "Stop", big))
+        first.start()
+        assert until(lambda s: s["direct"] == 1)["direct"] == 1
+        second = threading.Thread(target=send, args=("second", "PostToolUse", raw("second", 0)))
+        second.start()
+        status = until(lambda s: s["together"] == 1)
+        assert status["together"] == 1 and status["appended"] == 1, status
+        time.sleep(0.2)
+        assert answered == {}  # both wait for the lock
+    first.join(30)
+    second.join(30)
+    assert answered == {"first": 1, "second": 1}
+    assert stored(db, "first") == ["eid:first-0"] and stored(db, "second") == ["eid:second-0"]
+    with write_lock(db):  # alone again: answered from the journal while the lock is held
+        assert hook(proc.sock, "alone", 0)["stored"] == 1
+    assert until(lambda s: s["unsettled"] == 0)["appended"] == 2
