@@ -13,11 +13,11 @@ body) and the hook's event as msgpack, as the store would keep it: parsed, cut a
 the raw bytes. The records of one epoch run from offset 0, their sequence numbers 0, 1, 2, ...; a scan stops at the
 first record whose magic, epoch, sequence or CRC does not follow (a torn write, or an older epoch's bytes).
 
-Only a hook that comes alone is journaled (no other hook request in flight, as an agent's hooks come): it is synced on
-the loop's thread, or on a thread while its context is read. Hooks that come together (many agents, a replay) take
-the direct path, their group commit shared (`EventWriter`): there the commit is not waited for alone, and a record
-and its own sync for each hook cost the daemon 0.3-0.5 ms of CPU per event (the ingest bench, full daemon: 1,297
-events/s with 8 clients against 1,897 with the journal off, the same run; stop 63).
+Only a hook that comes alone is journaled (no other hook in flight, none in the 5 ms before it: as an agent's hooks
+come): it is synced on the loop's thread, or on a thread while its context is read. Hooks that come together (many
+agents, a replay) take the direct path, their group commit shared (`EventWriter`): there the commit is not waited for
+alone, and a record and its own sync for each hook cost the daemon 0.3-0.5 ms of CPU per event (the ingest bench,
+full daemon: 1,297 events/s with 8 clients against 1,897 with the journal off, the same run; stop 63).
 
 Each journaled event's commit also writes `(epoch, seq)` into `journal_done` (`Entry.mark`, in the same
 transaction), and an entry is settled once that commit is durable. At the daemon's start the events of the records of
@@ -161,7 +161,7 @@ class HookJournal:
         self.syncs = 0
         self.replayed = 0
         self.direct = 0  # hooks that took the direct path (no room, too large, journal off or broken)
-        self.together = 0  # hooks that took the direct path because other hooks were in flight
+        self.together = 0  # hooks that took the direct path, having come with others (in flight, or just before)
 
     # --- start ------------------------------------------------------------------------------------------------
 
@@ -256,6 +256,7 @@ class HookJournal:
         """Sync the record appended now, on the loop's thread: its future is then done, and its hook answered without
         a hand-off to the sync's thread and back (the hook came alone: no other hook's framing waits meanwhile)."""
         if self._running is not None or not self._pending:
+            self.sync_soon()  # what `append` leaves no room for; never a record left unsynced all the same
             return
         waiting, self._pending = self._pending, []
         try:
@@ -273,6 +274,7 @@ class HookJournal:
         self._running = None
         error = OSError("the journal's sync was cancelled") if done.cancelled() else done.exception()
         self._resolve(waiting, error if isinstance(error, OSError) else OSError(str(error)) if error else None)
+        self.sync_soon()  # a record appended while it ran (`append` takes none then; never one left unsynced)
 
     def _resolve(self, waiting: list[asyncio.Future[None]], error: OSError | None) -> None:
         if error is None:
