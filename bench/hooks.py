@@ -41,9 +41,15 @@ commit waits behind, and `writer_gave_way`, how many background transactions gav
 back, run again after it); and `collector`: Python's collections in the daemon (each stops the event loop too), how
 many and the longest by generation.
 
+`--samples FILE` writes every timed spawn (a JSON list), so that a slow one can be told apart: its wall and CPU time,
+how often it was preempted or blocked, and how long, meanwhile, some task of the machine waited for a CPU and some
+or every one for the disk (Linux's pressure files, /proc/pressure). A hook that waited for a disk stall (the daemon
+answers after its commit's fsync) shows `io_full` of about its wait; one that waited for a CPU, `cpu_some`.
+
     python bench/hooks.py [--quick] [--runs N] [--events SessionStart,PostToolUse] [--skip-up] [--skip-plain]
                           [--gap-ms MS] [--daemon-config KEY=VALUE ...] [--background-import N]
                           [--background-catchup N] [--quiet-first] [--asking-prompts] [--repo DIR]
+                          [--samples FILE]
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -185,10 +191,20 @@ def plain_commands(python: str, root: Path) -> dict[str, str]:
 # ---------------------------------------------------------------- timing
 
 
-def spawn(argv: list[str], stdin: bytes | None, env: dict[str, str]) -> tuple[float, bytes, int, float, int]:
-    """Wall time (ms) from spawn to exit, as a hook runner sees it: payload written, stdin closed, stdout read; and
-    the CPU time (ms, user + system) the spawned process used and how often it was preempted (involuntary context
-    switches), from its rusage: the wall time less its CPU is what it waited for (the CPU, the daemon)."""
+class Spawned(NamedTuple):
+    ms: float  # wall time, as a hook runner sees it
+    out: bytes
+    rc: int
+    cpu_ms: float  # the spawned process's own CPU time, user + system
+    preempted: int  # involuntary context switches: runnable, but another task took its CPU
+    blocked: int  # voluntary ones: it waited (for its stdin, the daemon's answer, the disk)
+    major_faults: int  # pages it waited for the disk to read
+
+
+def spawn(argv: list[str], stdin: bytes | None, env: dict[str, str]) -> Spawned:
+    """Wall time (ms) from spawn to exit, as a hook runner sees it: payload written, stdin closed, stdout read; and,
+    from the spawned process's rusage, its CPU time (user + system), how often it was preempted and how often it
+    blocked: the wall time less its CPU is what it waited for (the CPU, the daemon, the disk)."""
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     assert proc.stdin is not None and proc.stdout is not None
@@ -201,7 +217,23 @@ def spawn(argv: list[str], stdin: bytes | None, env: dict[str, str]) -> tuple[fl
     _, status, usage = os.wait4(proc.pid, 0)  # its own rusage, not the sum over every child of this process
     proc.returncode = os.waitstatus_to_exitcode(status)
     ms = (time.perf_counter() - start) * 1000
-    return ms, out, proc.returncode, (usage.ru_utime + usage.ru_stime) * 1000, usage.ru_nivcsw
+    return Spawned(ms, out, proc.returncode, (usage.ru_utime + usage.ru_stime) * 1000, usage.ru_nivcsw,
+                   usage.ru_nvcsw, usage.ru_majflt)
+
+
+def pressure() -> dict[str, int] | None:
+    """The machine's stall totals (µs) from Linux's pressure files: time some task waited for a CPU (`cpu_some`),
+    some for the disk (`io_some`), every running task for the disk (`io_full`); None where there are none."""
+    totals: dict[str, int] = {}
+    try:
+        for resource in ("cpu", "io"):
+            with open(f"/proc/pressure/{resource}") as f:
+                for line in f:
+                    kind, _, rest = line.partition(" ")
+                    totals[f"{resource}_{kind}"] = int(rest.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return totals
 
 
 def percentile(sorted_xs: list[float], q: float) -> float:
@@ -219,29 +251,41 @@ Variant = tuple[list[str], bytes | None, dict[str, str]]
 
 
 def measure(variants: dict[str, list[Variant]], runs: int, gap_ms: float = 0.0,
-            after_round: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
+            after_round: Callable[[], None] | None = None, samples: list[dict[str, Any]] | None = None,
+            side: str = "") -> dict[str, dict[str, Any]]:
     """Interleave every variant, `runs` rounds after one warm-up round; a variant may rotate through payloads.
     `gap_ms`: a pause before each spawn (the agent's own time between two hooks). `after_round`: called after each
-    timed round, outside the timings (what the catch-up variant samples)."""
+    timed round, outside the timings (what the catch-up variant samples). `samples`: each timed spawn is appended to
+    it (`--samples`), with `side` and what the machine stalled on meanwhile."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
     waited: dict[str, list[float]] = {name: [] for name in variants}
     preempted = dict.fromkeys(variants, 0)
     printed = dict.fromkeys(variants, 0)
     failed = dict.fromkeys(variants, 0)
+    began = time.monotonic()
     for round_ in range(runs + 1):
         for name, choices in variants.items():
             argv, stdin, env = choices[round_ % len(choices)]
             if gap_ms:
                 time.sleep(gap_ms / 1000)
-            ms, out, rc, cpu_ms, nivcsw = spawn(argv, stdin, env)
+            at, before = time.monotonic() - began, pressure() if samples is not None else None
+            run = spawn(argv, stdin, env)
             if round_:
-                times[name].append(ms)
-                cpu[name].append(cpu_ms)
-                waited[name].append(ms - cpu_ms)
-                preempted[name] += nivcsw
-                printed[name] += bool(out)
-                failed[name] += rc != 0
+                times[name].append(run.ms)
+                cpu[name].append(run.cpu_ms)
+                waited[name].append(run.ms - run.cpu_ms)
+                preempted[name] += run.preempted
+                printed[name] += bool(run.out)
+                failed[name] += run.rc != 0
+                if samples is not None:
+                    after = pressure()
+                    stalled = ({k: round((after[k] - before[k]) / 1000, 2) for k in after}
+                               if before is not None and after is not None else None)
+                    samples.append({"side": side, "variant": name, "round": round_, "at_s": round(at, 3),
+                                    "ms": round(run.ms, 3), "cpu_ms": round(run.cpu_ms, 3),
+                                    "preempted": run.preempted, "blocked": run.blocked,
+                                    "major_faults": run.major_faults, "stalled_ms": stalled})
         if round_ and after_round is not None:
             after_round()
     # `cpu`: the spawned process's own CPU time; `waited`: its wall time less that (for the CPU, or the daemon).
@@ -545,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-first", action="store_true",
                         help="before the background work begins, measure the daemon-up side once on the quiet daemon,"
                              " with the same gap (`up.quiet_same_gap`, and each kind's `over_quiet`)")
+    parser.add_argument("--samples", type=Path, default=None, metavar="FILE",
+                        help="write every timed spawn to FILE (a JSON list): its side, variant, round, start, wall"
+                             " and CPU time, context switches, and what the machine stalled on meanwhile (Linux PSI)")
     opts = parser.parse_args(argv)
     runs = opts.runs or (30 if opts.quick else 200)
     gap_ms = opts.gap_ms or 0.0
@@ -572,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"bench": "hooks", "machine": machine(), "python": {"executable": python,
                                                                                   "version": version}}
     started = time.monotonic()
+    samples: list[dict[str, Any]] | None = [] if opts.samples else None
     root = Path(tempfile.mkdtemp(prefix="lb", dir="/tmp"))  # short: AF_UNIX paths are limited to ~107 bytes
     try:
         down_home, up_home = root / "d", root / "u"
@@ -589,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         first = payloads[events[0]][0]
         down = measure({**baselines(python, first),
                         **hook_variants(events, payloads, down_cmds, down_notify, down_env)}, runs,
-                       gap_ms)
+                       gap_ms, samples=samples, side="down")
         spool = down_home / "spool"
         report["down"] = {"baselines": {k: down[k] for k in baselines(python, first)},
                           "events": with_deltas(down, events),
@@ -599,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         instant = InstantDaemon(instant_home / "loomd.sock")
         try:
             fast = measure({**baselines(python, first), **hook_variants(events, payloads, i_cmds, i_notify, i_env)},
-                           runs, gap_ms)
+                           runs, gap_ms, samples=samples, side="instant_daemon")
         finally:
             instant.close()
         report["instant_daemon"] = {"baselines": {k: fast[k] for k in baselines(python, first)},
@@ -624,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     call(up_home, "store", text="Use uv for every dependency change, never pip", kind="constraint",
                          cwd=PROJECT)
-                    quiet = measure(variants, runs, up_gap_ms) if opts.quiet_first else None
+                    quiet = (measure(variants, runs, up_gap_ms, samples=samples, side="up_quiet")
+                             if opts.quiet_first else None)
                     size = opts.background_import or opts.background_catchup
                     background = (BackgroundImport(root / "history", up_home, size, opts.repo.absolute()) if size
                                   else None)
@@ -632,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
                     if left is not None and background is not None:
                         background.wait()
                         before = catchup(up_home)
-                    up = measure(variants, runs, up_gap_ms, left.sample if left is not None else None)
+                    up = measure(variants, runs, up_gap_ms, left.sample if left is not None else None, samples, "up")
                     if left is not None and background is not None:
                         after = catchup(up_home)
                         # The import itself ended before the measurement began: what ran through it is the catch-up.
@@ -672,6 +721,9 @@ def main(argv: list[str] | None = None) -> int:
         report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
+    if opts.samples is not None and samples is not None:
+        opts.samples.write_text(json.dumps(samples) + "\n")
+        report["samples"] = {"file": str(opts.samples), "spawns": len(samples)}
     sys.stdout.write(json.dumps(report, indent=1, default=str) + "\n")
     return 0
 
