@@ -192,6 +192,8 @@ def plain_commands(python: str, root: Path) -> dict[str, str]:
 
 
 class Spawned(NamedTuple):
+    """One spawned hook (or baseline) as `spawn` measured it."""
+
     ms: float  # wall time, as a hook runner sees it
     out: bytes
     rc: int
@@ -269,7 +271,7 @@ def measure(variants: dict[str, list[Variant]], runs: int, gap_ms: float = 0.0,
             argv, stdin, env = choices[round_ % len(choices)]
             if gap_ms:
                 time.sleep(gap_ms / 1000)
-            at, before = time.monotonic() - began, pressure() if samples is not None else None
+            at, before = time.monotonic() - began, pressure() if samples is not None and round_ else None
             run = spawn(argv, stdin, env)
             if round_:
                 times[name].append(run.ms)
