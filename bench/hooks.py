@@ -708,6 +708,10 @@ def main(argv: list[str] | None = None) -> int:
                     report["up"]["writer_gave_way"] = (status.get("writer") or {}).get("gave_way")
                     # Python's collections in the daemon, each a stop of its every thread (`memory.CollectorPauses`).
                     report["up"]["collector"] = (status.get("memory") or {}).get("collector")
+                    # Who is who in a scheduler trace of this run (`bench/schedtrace.py`): the daemon's threads by
+                    # Linux id, and its helper process.
+                    report["up"]["daemon"] = {"pid": status.get("pid"), "threads": status.get("threads"),
+                                              "helper_pid": (status.get("offload") or {}).get("pid")}
                     report["up"]["split"] = split(report["up"]["events"], up["python_floor"], status.get("service"))
                     log = up_home / "hook.log"
                     lines = log.read_text().splitlines() if log.exists() else []

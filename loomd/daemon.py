@@ -21,6 +21,7 @@ import shlex
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -366,6 +367,8 @@ class Daemon:
             "journal": self.journal.status() if self.journal is not None else {"on": False},
             "service": {"answer": self.answered.summary(), "arrival": self.arrived.summary()},
             "memory": memory.usage(), "time_slice_ns": offload.thread_slice(),
+            # Each thread's Linux id and what it does: what a scheduler trace or `top -H` shows by id.
+            "threads": {str(t.native_id): t.name for t in threading.enumerate()},
         }
 
 

@@ -124,6 +124,7 @@ class Ops:
                        "gave_way": self.s.store.gave_way},
             "shared": await self.s.sync.status() if self.s.sync is not None else {"configured": False},
             "service": run["service"], "memory": run["memory"], "time_slice_ns": run["time_slice_ns"],
+            "threads": run["threads"],
         }
 
     def _storage(self, db: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,18 @@ async def test_status_says_where_the_daemons_memory_is(client: AsyncClient) -> N
         assert 0 < memory["sqlite_mb"] <= memory["sqlite_peak_mb"], memory
         assert memory["malloc_used_mb"] > memory["sqlite_mb"] and memory["malloc_kept_mb"] >= 0, memory
         assert memory["malloc_heaps"] >= 1, memory
+
+
+async def test_status_names_the_daemons_threads_by_what_they_do(client: AsyncClient) -> None:
+    """`status`'s `threads`: each thread's Linux id and its name, the store's connections named for their use (not
+    aiosqlite's "Thread-N"), so that a scheduler trace or `top -H`, which show ids, can say whose a busy thread is
+    (`bench/schedtrace.py`)."""
+    threads = (await client.call("status"))["threads"]
+    assert threads[str(threading.main_thread().native_id)] == "MainThread"
+    names = set(threads.values())
+    assert {"loomd-writer", "loomd-reader", "loomd-workers-reader", "loomd-wal-sync"} <= names, names
+    live = {str(t.native_id): t.name for t in threading.enumerate()}
+    assert {k: v for k, v in threads.items() if k in live} == {k: v for k, v in live.items() if k in threads}
 
 
 def test_the_daemon_spreads_its_threads_over_a_few_malloc_heaps(daemon_process) -> None:

@@ -195,12 +195,19 @@ def describe(exc: BaseException) -> str:
     return f"{exc} [{name}{': ' + hint if hint else ''}]"
 
 
-async def open_reader(path: Path, *, busy_timeout_ms: int) -> aiosqlite.Connection:
-    """A read-only aiosqlite connection on a thread of its own."""
+def name_thread(name: str) -> None:
+    """Name the calling thread for what it does: `status`'s `threads` and a profiler show it (a connection's own
+    thread is otherwise "Thread-N (_connection_worker_thread)", whichever connection it serves)."""
+    threading.current_thread().name = name
+
+
+async def open_reader(path: Path, *, busy_timeout_ms: int, name: str = "loomd-reader") -> aiosqlite.Connection:
+    """A read-only aiosqlite connection on a thread of its own, named `name`."""
     reader = aiosqlite.Connection(lambda: connect_sync(path, busy_timeout_ms=busy_timeout_ms), 64)
     try:
         await reader
         await reader.execute("PRAGMA query_only = ON")
+        await on_thread(reader, lambda _conn: name_thread(name))
     except BaseException:
         # Cancelled (the daemon stopping while it starts) or failed: close it here, as nothing else can; its
         # thread is not a daemon thread, and left running it would keep the process from exiting.
@@ -276,12 +283,13 @@ class Store:
         writer = aiosqlite.Connection(lambda: conn, 64)
         try:
             await writer
+            await on_thread(writer, lambda _conn: name_thread("loomd-writer"))
             reader = await open_reader(path, busy_timeout_ms=busy_timeout_ms)
         except BaseException:
             await writer.close()
             raise
         try:
-            background = await open_reader(path, busy_timeout_ms=busy_timeout_ms)
+            background = await open_reader(path, busy_timeout_ms=busy_timeout_ms, name="loomd-workers-reader")
         except BaseException:
             await reader.close()
             await writer.close()

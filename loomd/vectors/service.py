@@ -368,7 +368,7 @@ class VectorService:
     async def _open_reader(self) -> aiosqlite.Connection:
         """A read connection of the vector signal's own (its own thread): vector searches never queue behind
         keyword queries, and SQLite's allocations stay off the model's thread (whose heap then shrinks back)."""
-        return await open_reader(self.store.path, busy_timeout_ms=self.config.busy_timeout_ms)
+        return await open_reader(self.store.path, busy_timeout_ms=self.config.busy_timeout_ms, name="loomd-vec-reader")
 
     async def knn(
         self, query: str, *, k: int, filters: Filters, where: str, params: Sequence[Any], mixed: bool = True,

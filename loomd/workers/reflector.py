@@ -436,7 +436,8 @@ class Reflector:
         # hooks' recalls. The connection lives on a thread of its own, which also closes it: a run cancelled while a
         # read is on that thread (the daemon stopping) queues the close behind the read. Closed from another thread,
         # it freed its statements under the read: SQLite's general protection fault took a test process down in CI.
-        conn = await open_reader(ctx.store.path, busy_timeout_ms=ctx.config().busy_timeout_ms)
+        conn = await open_reader(ctx.store.path, busy_timeout_ms=ctx.config().busy_timeout_ms,
+                                 name="loomd-reflector-reader")
         try:
             for project in projects:
                 wrote = 0
