@@ -11,7 +11,8 @@ the bench itself, or any other task by its command name. Prints one JSON object:
 kind's K slowest spawns with that breakdown, and, over every spawn, how long each holder kept a waiting spawn off
 its CPU.
 
-Needs `perf` (Debian: linux-perf) and the right to trace the scheduler (root, or kernel.perf_event_paranoid <= -1).
+Needs `perf` (Debian: linux-perf) and the right to trace the scheduler (root, or kernel.perf_event_paranoid <= -1);
+as root, run it with the project's interpreter (`sudo .venv/bin/python bench/schedtrace.py ...`).
 The trace costs the machine: spawns run slower under it, so compare runs traced alike.
 """
 
@@ -36,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 EVENTS = ",".join(f"sched:sched_{e}" for e in ("switch", "wakeup", "wakeup_new", "process_fork", "process_exec"))
 LINE = re.compile(r"^\s*(.+?)\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$")
 FIELD = re.compile(r"(\w+)=(\S+)")
-BASELINES = ("python_floor", "python_floor_direct", "sh_true", "bin_true")
+# The bench's baselines shown no breakdown: the interpreter floor is kept, what the hooks are measured against.
+UNSHOWN = ("python_floor_direct", "sh_true", "bin_true")
 
 
 class Trace:
@@ -48,8 +50,8 @@ class Trace:
         self.forked: dict[int, float] = {}
         self.exec: dict[int, str] = {}
         self.comm: dict[int, str] = {}
-        self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
+        self.events = 0  # the scheduler's events read
         self.ran: dict[int, float] = defaultdict(float)
         self.waits: dict[int, list[tuple[float, float, int]]] = defaultdict(list)  # (from, to, the CPU it got)
         self.cpu: dict[int, list[tuple[float, int]]] = defaultdict(list)  # CPU -> (since, tid) in time order
@@ -63,7 +65,6 @@ class Trace:
                 elif was[0] == "wait":
                     self.waits[tid].append((was[1], t, cpu))
             state[tid] = (kind, t)
-            self.first.setdefault(tid, t)
             self.last[tid] = t
 
         for line in lines:
@@ -72,6 +73,10 @@ class Trace:
                 continue
             _, _, cpu, at, event, rest = m.groups()
             t, f = float(at), dict(FIELD.findall(rest))
+            if event in ("sched_switch", "sched_wakeup", "sched_wakeup_new") and not ("pid" in f or "prev_pid" in f):
+                raise SystemExit("perf script printed the scheduler's events as comm:pid (libtraceevent's plugins);"
+                                 " this reads them as key=value, perf's own form")
+            self.events += 1
             if event == "sched_switch":
                 prev, nxt = int(f["prev_pid"]), int(f["next_pid"])
                 self.comm[prev], self.comm[nxt] = f["prev_comm"], f["next_comm"]
@@ -82,12 +87,13 @@ class Trace:
                     now_in(nxt, "run", t, int(cpu))
             elif event in ("sched_wakeup", "sched_wakeup_new"):
                 tid = int(f["pid"])
-                if state.get(tid, ("", 0.0))[0] != "run":
+                if state.get(tid, ("", 0.0))[0] not in ("run", "wait"):  # a task preempted is woken while queued
                     now_in(tid, "wait", t)
             elif event == "sched_process_fork":
                 child = int(f["child_pid"])
-                self.parent[child], self.forked[child] = int(f["pid"]), t
-                self.first.setdefault(child, t)
+                for held in (self.ran, self.waits, self.exec, self.comm, state):  # a Linux id used again: a new task
+                    held.pop(child, None)
+                self.parent[child], self.forked[child], self.last[child] = int(f["pid"]), t, t
             elif event == "sched_process_exec":
                 self.exec[int(f["pid"])] = f["filename"]
         self.children: dict[int, list[int]] = defaultdict(list)
@@ -99,6 +105,13 @@ class Trace:
         out = [tid]
         for child in self.children.get(tid, ()):
             out += self.tree(child)
+        return out
+
+    def ancestors(self, tid: int) -> list[int]:
+        out: list[int] = []
+        while tid in self.parent and tid not in out:
+            tid = self.parent[tid]
+            out.append(tid)
         return out
 
     def process_of(self, tid: int) -> int:
@@ -129,7 +142,7 @@ def analyse(trace: Trace, samples: list[dict[str, Any]], daemon: dict[str, Any],
     pid, helper = daemon.get("pid"), daemon.get("helper_pid")
     names = {int(k): v for k, v in (daemon.get("threads") or {}).items()}
     if pid not in trace.parent:
-        raise SystemExit("the daemon's start is not in the trace")
+        raise SystemExit(f"the daemon's start is not in the trace ({trace.events} scheduler events read)")
     bench = trace.parent[pid]
     spawns = [c for c in sorted(trace.children.get(bench, ()), key=lambda c: trace.forked.get(c, 0.0))
               if c != pid and trace.forked.get(c, 0.0) > trace.forked[pid]]
@@ -138,7 +151,10 @@ def analyse(trace: Trace, samples: list[dict[str, Any]], daemon: dict[str, Any],
         return (max(trace.last.get(t, 0.0) for t in trace.tree(child)) - trace.forked[child]) * 1000
 
     walls = [wall_ms(c) for c in spawns]
-    # The timed rounds follow one warm-up round: the offset where the spawns' walls match the samples' best.
+    # The timed spawns are among the bench's children started after the daemon (with the import's process, the
+    # warm-up round and any quiet side before them): at the offset where their walls match the samples' best. Rounds
+    # run the variants in one order, so an offset off by any spawn pairs a python spawn with a shell's or another
+    # round's; the mean error says how well it matched.
     best: tuple[float, int] | None = None
     for off in range(0, len(spawns) - len(timed) + 1):
         err = sum(abs(walls[off + i] - s["ms"]) for i, s in enumerate(timed)) / max(1, len(timed))
@@ -152,14 +168,16 @@ def analyse(trace: Trace, samples: list[dict[str, Any]], daemon: dict[str, Any],
         if tid in own:
             return "spawn:" + trace.comm.get(tid, "?")
         process = trace.process_of(tid)
-        if process == pid or tid == pid:
-            return "daemon:" + names.get(tid, f"thread {tid}")
-        if process == helper or tid == helper:
+        if process == pid:
+            return "daemon:" + names.get(tid, f"thread {tid}")  # not in `threads`: a native thread, or one gone
+        if process == helper:
             return "helper"
+        if pid in trace.ancestors(process):
+            return "daemon's child:" + trace.comm.get(tid, "?")  # a helper restarted, the resource tracker
         if process == bench:
             return "bench"
         if trace.parent.get(process) == bench:
-            return "bench spawn"
+            return "bench's other child"  # the import's process, another spawn
         return trace.comm.get(tid, str(tid)).split("/")[0]
 
     rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -180,7 +198,7 @@ def analyse(trace: Trace, samples: list[dict[str, Any]], daemon: dict[str, Any],
             "held_by": {k: round(v, 2) for k, v in sorted(held.items(), key=lambda kv: -kv[1])[:5]}})
     return {"aligned": {"spawns": len(timed), "mean_abs_ms": round(err, 3)},
             "slowest": {v: sorted(xs, key=lambda r: -r["ms"])[:top] for v, xs in rows.items()
-                        if v not in BASELINES[1:]},
+                        if v not in UNSHOWN},
             "held_by_total_ms": {k: round(v, 1) for k, v in sorted(overall.items(), key=lambda kv: -kv[1])[:15]}}
 
 
@@ -195,6 +213,18 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs perf (Debian: apt install linux-perf)")
     work = Path(tempfile.mkdtemp(prefix="loomd-schedtrace-")) if opts.keep is None else opts.keep
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        result = traced(work, hooks_args, opts.top)
+    finally:
+        if opts.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def traced(work: Path, hooks_args: list[str], top: int) -> dict[str, Any]:
+    """The bench run under `perf record`, its trace read back and analysed; the trace and the bench's files go in
+    `work`."""
     data, samples, report = work / "sched.data", work / "samples.json", work / "hooks.json"
     perf = subprocess.Popen(["perf", "record", "-q", "-a", "-k", "mono", "-e", EVENTS, "-o", str(data)],
                             stderr=subprocess.PIPE)
@@ -209,20 +239,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         perf.send_signal(signal.SIGINT)
         perf.wait()
-    script = subprocess.Popen(["perf", "script", "-i", str(data)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True, errors="replace")
-    assert script.stdout is not None
-    trace = Trace(script.stdout)
-    script.wait()
+    with open(work / "perf-script.err", "w+") as errors:
+        script = subprocess.Popen(["perf", "script", "-i", str(data)], stdout=subprocess.PIPE, stderr=errors,
+                                  text=True, errors="replace")
+        assert script.stdout is not None
+        trace = Trace(script.stdout)
+        if script.wait() != 0:
+            errors.seek(0)
+            raise SystemExit(f"perf script failed: {errors.read()[-2000:]}")
+        errors.seek(0)
+        lost = [line.strip() for line in errors if "lost" in line.lower()]  # events perf could not keep up with
     hooks = json.loads(report.read_text())
     up = hooks.get("up") or {}
-    result = {"bench": "schedtrace", "hooks_params": hooks.get("params"),
-              "acceptance": up.get("acceptance"),
-              **analyse(trace, json.loads(samples.read_text()), up.get("daemon") or {}, opts.top)}
-    if opts.keep is None:
-        shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(result, indent=1))
-    return 0
+    return {"bench": "schedtrace", "hooks_params": hooks.get("params"), "acceptance": up.get("acceptance"),
+            "perf_lost": lost, **analyse(trace, json.loads(samples.read_text()), up.get("daemon") or {}, top)}
 
 
 if __name__ == "__main__":

@@ -1,14 +1,22 @@
 """bench/schedtrace.py's reading of a scheduler trace: a hook's spawn that waited for a CPU is charged to whoever held
-that CPU meanwhile, by name. The trace here is `perf script`'s text for a made-up run, line for line in its format."""
+that CPU meanwhile, by name. The trace here is `perf script`'s text (its key=value form) for a made-up run."""
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "schedtrace.py"
 
-import schedtrace  # noqa: E402 - a bench script, found on the path above
+
+def schedtrace() -> ModuleType:
+    """The bench script as a module, without putting bench/ on the path (its mcp.py would hide the mcp package)."""
+    spec = importlib.util.spec_from_file_location("bench_schedtrace", BENCH)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 SW = ("sched:sched_switch: prev_comm={pc} prev_pid={pp} prev_prio=120 prev_state={st} ==> next_comm={nc} next_pid={np}"
       " next_prio=120")
@@ -31,9 +39,11 @@ TRACE = [
     "sh 500 [000] 12.001100: sched:sched_wakeup_new: comm=sh pid=501 prio=120 target_cpu=000",
     "sh 500 [000] 12.001200: " + SW.format(pc="sh", pp=500, st="S", nc="sh", np=501),
     "python 501 [000] 12.002000: sched:sched_process_exec: filename=/usr/bin/python pid=501 old_pid=501",
-    # the writer's thread wakes and takes the CPU from the shim for 8 ms, then the helper for 2 ms
+    # the writer's thread wakes and takes the CPU from the shim for 8 ms, then the helper for 2 ms; the shim, queued,
+    # is woken meanwhile (a wake-up of a task already waiting for a CPU): its wait goes on, charged all the same
     "python 501 [000] 12.003000: sched:sched_wakeup: comm=python pid=201 prio=120 target_cpu=000",
     "python 501 [000] 12.003100: " + SW.format(pc="python", pp=501, st="R", nc="python", np=201),
+    "python 201 [000] 12.005000: sched:sched_wakeup: comm=python pid=501 prio=120 target_cpu=000",
     "python 201 [000] 12.011100: " + SW.format(pc="python", pp=201, st="S", nc="python", np=300),
     "python 300 [000] 12.013100: " + SW.format(pc="python", pp=300, st="S", nc="python", np=501),
     "python 501 [000] 12.020000: " + SW.format(pc="python", pp=501, st="X", nc="sh", np=500),
@@ -42,10 +52,11 @@ TRACE = [
 
 
 def test_a_spawns_wait_for_a_cpu_is_charged_to_the_threads_that_held_it() -> None:
-    trace = schedtrace.Trace(TRACE)
+    bench = schedtrace()
+    trace = bench.Trace(TRACE)
     samples = [{"side": "up", "variant": "Stop", "round": 1, "ms": 20.4}]
     daemon = {"pid": 200, "helper_pid": 300, "threads": {"200": "MainThread", "201": "loomd-writer"}}
-    result = schedtrace.analyse(trace, samples, daemon, top=3)
+    result = bench.analyse(trace, samples, daemon, top=3)
     assert result["aligned"] == {"spawns": 1, "mean_abs_ms": 0.1}  # the timed spawn, not the warm-up's
     (stop,) = result["slowest"]["Stop"]
     # the shim waited 0.1 ms for its shell to go to sleep, then 10 ms for the writer's thread and the helper

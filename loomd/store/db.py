@@ -196,8 +196,7 @@ def describe(exc: BaseException) -> str:
 
 
 def name_thread(name: str) -> None:
-    """Name the calling thread for what it does: `status`'s `threads` and a profiler show it (a connection's own
-    thread is otherwise "Thread-N (_connection_worker_thread)", whichever connection it serves)."""
+    """Name the calling thread for what it does (`status`'s `threads`, py-spy), not aiosqlite's "Thread-N"."""
     threading.current_thread().name = name
 
 
