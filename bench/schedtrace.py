@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 EVENTS = ",".join(f"sched:sched_{e}" for e in ("switch", "wakeup", "wakeup_new", "process_fork", "process_exec"))
 LINE = re.compile(r"^\s*(.+?)\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$")
 FIELD = re.compile(r"(\w+)=(\S+)")
-# The bench's baselines shown no breakdown: the interpreter floor is kept, what the hooks are measured against.
-UNSHOWN = ("python_floor_direct", "sh_true", "bin_true")
+# The one baseline whose spawns are broken down too: the interpreter floor, what the hooks are measured against.
+FLOOR = "python_floor"
 
 
 class Trace:
@@ -108,6 +108,7 @@ class Trace:
         return out
 
     def ancestors(self, tid: int) -> list[int]:
+        """The task's forks up, nearest first."""
         out: list[int] = []
         while tid in self.parent and tid not in out:
             tid = self.parent[tid]
@@ -116,11 +117,8 @@ class Trace:
 
     def process_of(self, tid: int) -> int:
         """The task's process: up its forks to the nearest that exec'd (a thread never does), or its first ancestor."""
-        seen = set()
-        while tid not in self.exec and tid in self.parent and tid not in seen:
-            seen.add(tid)
-            tid = self.parent[tid]
-        return tid
+        line = [tid, *self.ancestors(tid)]
+        return next((t for t in line if t in self.exec), line[-1])
 
     def holders(self, start: float, end: float, cpu: int) -> dict[int, float]:
         """Who ran on `cpu` from `start` to `end`, in seconds by task (idle left out)."""
@@ -136,9 +134,12 @@ class Trace:
         return held
 
 
-def analyse(trace: Trace, samples: list[dict[str, Any]], daemon: dict[str, Any], top: int) -> dict[str, Any]:
-    """The daemon-up side's timed spawns found in the trace, and what kept each off a CPU while it waited."""
+def analyse(trace: Trace, samples: list[dict[str, Any]], daemon: dict[str, Any], top: int,
+            baselines: Iterable[str] = ()) -> dict[str, Any]:
+    """The daemon-up side's timed spawns found in the trace, and what kept each off a CPU while it waited; of the
+    bench's `baselines`, only the floor's slowest are shown."""
     timed = [s for s in samples if s["side"] == "up"]
+    unshown = set(baselines) - {FLOOR}
     pid, helper = daemon.get("pid"), daemon.get("helper_pid")
     names = {int(k): v for k, v in (daemon.get("threads") or {}).items()}
     if pid not in trace.parent:
@@ -198,7 +199,7 @@ def analyse(trace: Trace, samples: list[dict[str, Any]], daemon: dict[str, Any],
             "held_by": {k: round(v, 2) for k, v in sorted(held.items(), key=lambda kv: -kv[1])[:5]}})
     return {"aligned": {"spawns": len(timed), "mean_abs_ms": round(err, 3)},
             "slowest": {v: sorted(xs, key=lambda r: -r["ms"])[:top] for v, xs in rows.items()
-                        if v not in UNSHOWN},
+                        if v not in unshown},
             "held_by_total_ms": {k: round(v, 1) for k, v in sorted(overall.items(), key=lambda kv: -kv[1])[:15]}}
 
 
@@ -252,7 +253,8 @@ def traced(work: Path, hooks_args: list[str], top: int) -> dict[str, Any]:
     hooks = json.loads(report.read_text())
     up = hooks.get("up") or {}
     return {"bench": "schedtrace", "hooks_params": hooks.get("params"), "acceptance": up.get("acceptance"),
-            "perf_lost": lost, **analyse(trace, json.loads(samples.read_text()), up.get("daemon") or {}, top)}
+            "perf_lost": lost, **analyse(trace, json.loads(samples.read_text()), up.get("daemon") or {}, top,
+                                         up.get("baselines") or ())}
 
 
 if __name__ == "__main__":
