@@ -206,6 +206,37 @@ def test_an_unbroken_stream_of_hooks_gives_background_work_short_slices_after_a_
     assert not live.busy(last_event := t0 + 20.0) and not live.busy(last_event + 0.1)  # quiet: free at once
 
 
+async def test_the_workers_never_read_on_the_hooks_reader(quiet: tuple[Daemon, AsyncClient]) -> None:
+    """Every worker's scheduled run reads on the workers' own connection, never on the hooks' reader: with that one
+    held busy, each runs to its end. (The digest's, the dropper's and the reflector's choice of projects scanned the
+    memories there, 3-15 ms each at 15k memories, and a prompt's recall queued behind them.)"""
+    d, client = quiet
+    said = "From now on never use print for logging, use the logging module."
+    events = [{"agent": "claude", "session_id": f"reads-{n}", "kind": kind, "payload": {"text": f"{text} ({n})"},
+               "ts": 1_700_000_000 + 2 * n + i, "project": "proj-reads", "source": "transcript",
+               "key": f"t:reads:{n}:{i}"}
+              for n in range(3) for i, (kind, text) in enumerate([("user_message", said),
+                                                                   ("assistant_message", "Noted.")])]
+    await client.call("ingest", events=events)
+    for n in range(3):
+        await d.scheduler.run("observer", session_id=f"reads-{n}")  # observations for the others to read
+    busy, free = threading.Event(), threading.Event()
+
+    def hold_reader(_conn: object) -> None:
+        busy.set()
+        free.wait(60)
+
+    holding = asyncio.create_task(d.store.read(hold_reader))
+    try:
+        await until(busy.is_set, "the hooks' reader to be held")
+        for name in ("observer", "reflector", "dropper", "digest", "gc"):
+            result = await asyncio.wait_for(d.scheduler.run(name, trigger="interval"), 20)
+            assert result["outcome"] in ("ok", "noop"), (name, result)
+    finally:
+        free.set()
+    await holding
+
+
 def test_a_live_event_comes_alone_only_well_after_the_one_before_it() -> None:
     """An agent's hooks, each a process started after the last one ended, come alone (their commits sync where they
     ran); events that come together, from many agents or a replay, do not (the sync thread syncs them)."""

@@ -124,7 +124,7 @@ async def requested_projects(ctx: WorkerContext, req: RunRequest) -> list[str] |
         return [req.project]
     if req.session_id:
         rows = await ctx.store.fetchall("SELECT DISTINCT project FROM memories WHERE session_id = ?"
-                                        " AND kind = 'observation'", (req.session_id,))
+                                        " AND kind = 'observation'", (req.session_id,), background=True)
         return [r[0] for r in rows]
     return None
 

@@ -99,7 +99,7 @@ class Digest:
                 f"SELECT m.project FROM memories m LEFT JOIN checkpoints c ON c.name = 'digest:' || m.project"
                 f" WHERE m.kind IN ({marks}) GROUP BY m.project"
                 f" HAVING c.updated IS NULL OR max(max(m.updated), coalesce(max(m.archived_at), 0)) > c.updated",
-                REFLECTION_KINDS)
+                REFLECTION_KINDS, background=True)
             projects = sorted({r[0] for r in rows} | set(req.keys))
         for project in projects:
             # Its reads, the render and the writes in one trip to the writer's thread: the writer is held for that

@@ -24,7 +24,7 @@ class Dropper:
         else:
             rows = await ctx.store.fetchall(
                 "SELECT project FROM memories WHERE kind = 'observation' AND archived_at IS NULL GROUP BY project"
-                " HAVING sum(tokens) > ?", (cfg.observations_pool_max_tokens,))
+                " HAVING sum(tokens) > ?", (cfg.observations_pool_max_tokens,), background=True)
             projects = [r[0] for r in rows]
         for project in projects:
             # One trip to the writer's thread for the project's reads and archives: the writer is held for that work

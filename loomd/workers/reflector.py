@@ -421,7 +421,8 @@ class Reflector:
             "SELECT m.project, sum(m.tokens), max(m.created), max(m.updated),"
             " sum(json_extract(m.meta, '$.type') IN ('constraint', 'preference', 'pitfall', 'decision', 'todo'))"
             " FROM memories m LEFT JOIN checkpoints c ON c.name = 'reflector:' || m.project"
-            " WHERE m.kind = 'observation' AND m.id > coalesce(CAST(c.value AS INTEGER), 0) GROUP BY m.project")
+            " WHERE m.kind = 'observation' AND m.id > coalesce(CAST(c.value AS INTEGER), 0) GROUP BY m.project",
+            background=True)
         return [r[0] for r in rows
                 if r[0] in woken or r[1] >= cfg.reflect_after_tokens or r[4] or r[3] < quiet_before]
 
