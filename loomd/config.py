@@ -127,6 +127,9 @@ class Config:
     archived_ttl_days: float = 0.0
     project_memory_cap: int = 5000
     worker_interval_s: float = 60.0
+    # While the agent works, background work rests this many times as long as each of its transactions held the
+    # writer (`ingest.writer.LiveTraffic.ran`), leaving a CPU to the hooks' processes; 0: never rests.
+    background_rest_ratio: float = 2.0
     job_history_days: float = 7.0  # GC keeps the runs' log this long (each worker's latest run and error always)
     observe_idle_s: float = 600.0  # a session quiet this long is observed (and its open todos noted)
     # `loom import`'s parser processes stop when no file came for this long: the CLI sends the next file at once, and

@@ -176,11 +176,13 @@ class Daemon:
             raise StartupError(f"cannot create {paths.spool}: {exc.strerror or exc}") from None
         self.history = HistoryImporter(self.store, self.tailer, idle_s=self.config.import_idle_s)
         # An import first: its memories are embedded and its sessions observed after it. Live hooks first too: the
-        # back-fill and the workers catch up when they pause (`LiveTraffic`).
+        # back-fill and the workers catch up when they pause, and while the agent works they rest after each of their
+        # transactions (`LiveTraffic`).
         history, live = self.history, self.writer.live
         self.vectors.hold = self.scheduler.hold = lambda: history.active or live.busy()
-        self.scheduler.resume_in = lambda: None if history.active else live.resume_in()
+        self.vectors.resume_in = self.scheduler.resume_in = lambda: None if history.active else live.resume_in()
         self.store.resume_in = live.resume_in  # the log is started over in a pause of the hooks (`Store.restart_log`)
+        self.store.pace_background(lambda seconds: live.ran(seconds, self.config.background_rest_ratio))
         self.journal = await self._open_journal()
         self.ops = Ops(Services(
             config=lambda: self.config, store=self.store, writer=self.writer, memories=self.memories,

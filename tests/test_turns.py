@@ -6,15 +6,24 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from typing import Any
 
 import aiosqlite
 from conftest import caught_up
 
 from loomd.client import AsyncClient
 from loomd.daemon import Daemon
-from loomd.ingest.writer import ALONE_AFTER_S, BACKGROUND_EVERY_S, BACKGROUND_SLICE_S, YIELD_MAX_S, LiveTraffic
+from loomd.ingest.writer import (
+    AGENT_ACTIVE_S,
+    ALONE_AFTER_S,
+    BACKGROUND_EVERY_S,
+    BACKGROUND_SLICE_S,
+    LIVE_QUIET_S,
+    YIELD_MAX_S,
+    LiveTraffic,
+)
 from loomd.store.trip import commit_in_one_trip
-from loomd.store.turns import HOLDS_KEPT, Durations, WriteTurns
+from loomd.store.turns import HOLDER, HOLDS_KEPT, Durations, WriteTurns
 
 
 async def until(cond: object, what: str, within: float = 30.0) -> None:
@@ -204,6 +213,69 @@ def test_an_unbroken_stream_of_hooks_gives_background_work_short_slices_after_a_
     # Many short slices, no long turn.
     assert len(runs) >= int(3.0 / BACKGROUND_EVERY_S) and max(runs) <= BACKGROUND_SLICE_S
     assert not live.busy(last_event := t0 + 20.0) and not live.busy(last_event + 0.1)  # quiet: free at once
+
+
+def test_background_work_rests_after_each_transaction_while_the_agent_works() -> None:
+    """A background transaction that held the writer h seconds while the agent works (a live event came in the last
+    AGENT_ACTIVE_S) holds background work back `ratio` * h after it, and says when it may go on (`resume_in`);
+    on a machine the agent has left, it runs unpaced."""
+    live, t0, ratio = LiveTraffic(), 1000.0, 2.0
+    live.ran(0.004, ratio, t0)  # no live event yet: nothing to leave the CPU to
+    assert not live.busy(t0) and live.resume_in(t0) == 0 and live.rests == 0
+    live.arrived(t0)
+    after = t0 + LIVE_QUIET_S + 0.01  # the hooks have paused: background work may run
+    assert not live.busy(after)
+    live.ran(0.004, ratio, after)
+    rest = ratio * 0.004
+    assert live.busy(after) and live.busy(after + rest * 0.9) and not live.busy(after + rest * 1.1)
+    assert abs(live.resume_in(after) - rest) < 1e-9
+    assert live.rests == 1 and abs(live.rested_s - rest) < 1e-9
+    live.ran(0.001, ratio, after + 0.001)  # a shorter one meanwhile does not cut the rest short
+    assert live.busy(after + rest * 0.9)
+    left = t0 + AGENT_ACTIVE_S + 1.0  # the agent has gone quiet: no rest
+    live.ran(0.004, ratio, left)
+    assert not live.busy(left) and live.rests == 2
+    live.ran(0.004, 0.0, after)  # a ratio of 0: never rests
+    assert live.rests == 2
+
+
+async def test_the_writer_tells_how_long_each_background_transaction_held_it() -> None:
+    """`WriteTurns.background_held` hears of a worker's and the back-fill's turns, with how long each lasted, and of
+    no one else's (a hook's commit, an import's slice, a checkpoint)."""
+    turns, heard = WriteTurns(), list[float]()
+    turns.background_held = heard.append
+    for holder, seconds in (("worker:observer", 0.02), ("events:live", 0.01), ("backfill", 0.01),
+                            ("events:bulk", 0.01), ("checkpoint", 0.0), ("other", 0.0)):
+        token = HOLDER.set(holder)
+        try:
+            async with turns.hold():
+                await asyncio.sleep(seconds)
+        finally:
+            HOLDER.reset(token)
+    assert len(heard) == 2 and heard[0] >= 0.02 and heard[1] >= 0.01, heard
+
+
+async def test_a_scheduled_run_rests_after_each_of_its_transactions(quiet: tuple[Daemon, AsyncClient]) -> None:
+    """A run the scheduler started while the agent works rests after every transaction it commits (the writer tells
+    `LiveTraffic.ran`), and `status` counts the rests."""
+    d, client = quiet
+    said = "From now on never use print for logging, use the logging module."
+    events = [{"agent": "claude", "session_id": "rest", "kind": kind, "payload": {"text": f"{text} ({i})"},
+               "ts": 1_700_000_000 + i, "project": "proj-r", "source": "transcript", "key": f"t:rest:{i}"}
+              for i, (kind, text) in enumerate([("user_message", said), ("assistant_message", "Noted.")] * 40)]
+    await client.call("ingest", events=events)  # live: the agent works
+    await asyncio.sleep(LIVE_QUIET_S + 0.05)  # ... and has paused, so that the run is not held for its hooks
+
+    def background_holds(status: dict[str, Any]) -> int:
+        return sum(v["n"] for k, v in status["writer"]["holds"].items() if k == "backfill" or k.startswith("worker:"))
+
+    before = await client.call("status")
+    result = await d.scheduler.run("observer", session_id="rest", trigger="event")
+    after = await client.call("status")
+    assert result["outcome"] == "ok" and result["items_out"] > 0, result
+    held = background_holds(after) - background_holds(before)
+    paced = {k: after["writer"]["paced"][k] - before["writer"]["paced"][k] for k in ("rests", "rested_s")}
+    assert held >= 2 and paced["rests"] == held and paced["rested_s"] > 0, (held, paced)
 
 
 async def test_the_workers_never_read_on_the_hooks_reader(quiet: tuple[Daemon, AsyncClient]) -> None:

@@ -83,6 +83,16 @@ RESUME_AFTER_S = 0.002
 # slices above: those cut an import's commits, these give background work its time.
 YIELD_MAX_S = 10.0
 BACKGROUND_SLICE_S, BACKGROUND_EVERY_S = 0.05, 0.3
+# While the agent works (a live event came in the last AGENT_ACTIVE_S), background work also paces itself: after each
+# of its transactions it rests `background_rest_ratio` (2) times as long as the transaction held the writer (`ran`),
+# so it runs at most a third of the time. A hook's process starts and runs its interpreter (12-15 ms of CPU) before
+# the daemon hears of it, and on 2 CPUs a back-fill or a catch-up writing back to back took half of the CPU that
+# process ran on: under `bench/hooks.py --background-catchup` the slowest spawns waited 15-35 ms for a CPU the
+# writer's thread held (`bench/schedtrace.py`, closing note of stop 65). Resting, it leaves that CPU free two thirds
+# of the time. 30 rounds of that bench, all ten kinds pooled: p95 30.4 -> 24.1 ms, p99 42.8 -> 30.8 ms; resting four
+# times the hold did no better (23.8, 31.7 ms) and slowed the catch-up further (events observed during the rounds:
+# 27.4k unpaced, 20.2k, 13.4k). On a machine the agent has left (no hook for AGENT_ACTIVE_S) it runs unpaced.
+AGENT_ACTIVE_S = 30.0
 # A live event that came this long after the one before it came alone (an agent's hooks are processes started one after
 # another, 10 ms and more apart; hooks that come together, from many agents or a replay, are under a millisecond
 # apart): its commit syncs the log right where it ran (`Store.commit_on_thread`, `alone`).
@@ -96,16 +106,32 @@ class LiveTraffic:
         self.last = -math.inf  # monotonic time of the last live submission
         self.alone = False  # the last one came ALONE_AFTER_S or more after the one before it
         self._streak: float | None = None  # since when live events have arrived without a pause
+        self._rest_until = -math.inf  # background work rests until then (`ran`)
+        self.rests = 0  # rests taken so far, and their length in all (`status`'s `writer.paced`)
+        self.rested_s = 0.0
 
     def arrived(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.alone, self.last = now - self.last >= ALONE_AFTER_S, now
 
-    def busy(self, now: float | None = None) -> bool:
-        """True while live events arrive (none has paused LIVE_QUIET_S); after YIELD_MAX_S of an unbroken stream,
-        False for BACKGROUND_SLICE_S out of every BACKGROUND_EVERY_S, so that the back-fill and the workers always
-        progress."""
+    def ran(self, seconds: float, ratio: float, now: float | None = None) -> None:
+        """A background transaction held the writer `seconds` (`WriteTurns`): while the agent works, background work
+        rests `ratio` times that long before its next one (`busy`)."""
         now = time.monotonic() if now is None else now
+        if ratio > 0 and now - self.last < AGENT_ACTIVE_S:
+            rest = ratio * seconds
+            self._rest_until = max(self._rest_until, now + rest)
+            self.rests += 1
+            self.rested_s += rest
+
+    def busy(self, now: float | None = None) -> bool:
+        """True while live events arrive (none has paused LIVE_QUIET_S), and while background work rests (`ran`);
+        after YIELD_MAX_S of an unbroken stream, False for BACKGROUND_SLICE_S out of every BACKGROUND_EVERY_S (rests
+        aside), so that the back-fill and the workers always progress."""
+        now = time.monotonic() if now is None else now
+        return self._streaming(now) or now < self._rest_until
+
+    def _streaming(self, now: float) -> bool:
         if not self.quiet_in(now):
             self._streak = None
             return False
@@ -120,9 +146,11 @@ class LiveTraffic:
         return max(0.0, self.last + LIVE_QUIET_S - now)
 
     def resume_in(self, now: float | None = None) -> float:
-        """Seconds until background work held for live events may resume, if none arrives meanwhile (0: now)."""
+        """Seconds until background work held for live events (or resting) may resume, if none arrives meanwhile (0:
+        now)."""
+        now = time.monotonic() if now is None else now
         left = self.quiet_in(now)
-        return left + RESUME_AFTER_S if left else 0.0
+        return max(left + RESUME_AFTER_S if left else 0.0, self._rest_until - now)
 
 
 @dataclass

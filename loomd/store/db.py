@@ -318,6 +318,11 @@ class Store:
         """Set while a hook's commit waits behind a transaction that `yields` (`commit_on_thread`)."""
         return self._write_lock.give_way
 
+    def pace_background(self, held: Callable[[float], None]) -> None:
+        """Tell `held` how long each background transaction (a worker's, the back-fill's) held the writer, as it
+        ends (`LiveTraffic.ran`)."""
+        self._write_lock.background_held = held
+
     @property
     def write_waiting(self) -> int:
         """Transactions waiting for their turn on the writer."""

@@ -10,7 +10,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -19,6 +19,12 @@ from typing import Any
 # back-fill, the event writer); anything else is "other".
 HOLDER: ContextVar[str] = ContextVar("writer_holder", default="other")
 HOLDS_KEPT = 4096  # per key: the last this many durations make its percentiles
+
+
+def background(holder: str) -> bool:
+    """Whether a holder is background work (a worker's run, the back-fill), which paces itself by its holds
+    (`WriteTurns.background_held`)."""
+    return holder == "backfill" or holder.startswith("worker:")
 
 
 class Durations:
@@ -76,6 +82,8 @@ class WriteTurns:
         self.holds = Durations()
         # Set on the loop, read on the writer's thread between two statements of a yielding holder's transaction.
         self.give_way = threading.Event()
+        # Told how long each background holder's turn lasted (seconds): the daemon's `LiveTraffic.ran`.
+        self.background_held: Callable[[float], None] = lambda seconds: None
 
     @property
     def waiting(self) -> int:
@@ -95,8 +103,11 @@ class WriteTurns:
             yield
         finally:
             self._yields = False
-            self.holds.record(HOLDER.get(), (time.perf_counter() - began) * 1000)
+            held, holder = time.perf_counter() - began, HOLDER.get()
+            self.holds.record(holder, held * 1000)
             self._release()
+            if background(holder):
+                self.background_held(held)
 
     async def _acquire(self, urgent: bool) -> None:
         if not self._held and not self.waiting:

@@ -56,10 +56,12 @@ class Yielding:
     """The back-fill's embedder: the local model's calls EMBED_STEP texts at a time, each after `hold()` has passed
     (or the service is closing: shutdown waits for the batch in flight). Blocking: on the back-fill's thread."""
 
-    def __init__(self, embedder: Embedder, hold: Callable[[], bool], closing: threading.Event) -> None:
+    def __init__(self, embedder: Embedder, hold: Callable[[], bool], closing: threading.Event,
+                 resume_in: Callable[[], float | None] = lambda: None) -> None:
         self.embedder = embedder
         self.name, self.dim = embedder.name, embedder.dim
         self.hold = hold
+        self.resume_in = resume_in  # seconds until the hold ends, when known (`VectorService.resume_in`)
         self.closing = closing
         self.waits = 0  # calls that waited for the hold first (`status`: `embedder.yielded`)
 
@@ -74,7 +76,8 @@ class Yielding:
 
     def _wait_out_hold(self) -> None:
         while self.hold():
-            if self.closing.wait(VectorService.HOLD_POLL_S):
+            left = self.resume_in()
+            if self.closing.wait(min(VectorService.HOLD_POLL_S, left) if left else VectorService.HOLD_POLL_S):
                 return
 
 
@@ -138,6 +141,8 @@ class VectorService:
         # 2-CPU machine the model took as much CPU as the import's parsing and commits together (niceness cannot
         # arbitrate when the whole daemon runs niced); what the import writes is embedded when it is done.
         self.hold: Callable[[], bool] = lambda: False
+        # Seconds until the hold ends if no hook comes meanwhile, when known (a rest after its last write: a few ms).
+        self.resume_in: Callable[[], float | None] = lambda: None
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
@@ -163,7 +168,7 @@ class VectorService:
         self._query_embedder = (self.embedder.on_lane("query") if isinstance(self.embedder, ChildEmbedder)
                                 else self.embedder)
         # A remote provider's batch costs this machine no CPU to speak of: one request.
-        self._backfill_embedder = (Yielding(self.embedder, lambda: self.hold(), self._closing)
+        self._backfill_embedder = (Yielding(self.embedder, lambda: self.hold(), self._closing, lambda: self.resume_in())
                                    if self.embedder.name == LOCAL_NAME else self.embedder)
         await loop.run_in_executor(self._bulk, release_memory)  # the model file's bytes and the graph rewrite
         try:
@@ -178,8 +183,9 @@ class VectorService:
         last_full = time.monotonic()
         failures = 0
         while not should_exit.is_set():
-            if self.hold():
-                await asyncio.sleep(self.HOLD_POLL_S)  # `caught_up` stays False: the import's writes woke us
+            if self.hold():  # `caught_up` stays False: the import's writes woke us
+                left = self.resume_in()
+                await asyncio.sleep(min(self.HOLD_POLL_S, left) if left else self.HOLD_POLL_S)
                 continue
             if time.monotonic() - last_full > self.FULL_RESCAN_S:
                 self._cursor, last_full = 0, time.monotonic()

@@ -210,7 +210,7 @@ class Scheduler:
             error: str | None = None
             report.job_id = await self._begin(req, started)
             # A manual run (`loom workers run`: someone waits for it) is never held; a scheduled one yields.
-            ctx = self.ctx if trigger == "manual" else replace(self.ctx, hold=self.hold)
+            ctx = self.ctx if trigger == "manual" else replace(self.ctx, hold=self.hold, resume_in=self.resume_in)
             try:
                 await worker.run(ctx, req, report)
             except asyncio.CancelledError:
