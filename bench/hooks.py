@@ -37,9 +37,10 @@ first fsync, its threads' first wake-ups) apart from what the background work ad
 
 Every daemon-up report has `writer_holds`: per holder (live hook commits, import slices, each worker, the
 back-fill), how long its transactions held the one writer connection (`status`'s `writer`), which a hook's
-commit waits behind, and `writer_gave_way`, how many background transactions gave way to a hook's commit (rolled
-back, run again after it); and `collector`: Python's collections in the daemon (each stops the event loop too), how
-many and the longest by generation.
+commit waits behind, `writer_gave_way`, how many background transactions gave way to a hook's commit (rolled
+back, run again after it), and `writer_paced`, the rests background work took after its transactions while the hooks
+came (`background_rest_ratio`: how many, and their length in seconds); and `collector`: Python's collections in the
+daemon (each stops the event loop too), how many and the longest by generation.
 
 `--samples FILE` writes every timed spawn (a JSON list), so that a slow one can be told apart: its wall and CPU time,
 how often it was preempted or blocked, and how long, meanwhile, some task of the machine waited for a CPU and some
@@ -706,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
                     report["up"]["spool_backlog"] = status.get("spool_backlog")
                     report["up"]["writer_holds"] = (status.get("writer") or {}).get("holds")
                     report["up"]["writer_gave_way"] = (status.get("writer") or {}).get("gave_way")
+                    report["up"]["writer_paced"] = (status.get("writer") or {}).get("paced")
                     # Python's collections in the daemon, each a stop of its every thread (`memory.CollectorPauses`).
                     report["up"]["collector"] = (status.get("memory") or {}).get("collector")
                     # Who is who in a scheduler trace of this run (`bench/schedtrace.py`): the daemon's threads by

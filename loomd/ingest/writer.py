@@ -89,9 +89,12 @@ BACKGROUND_SLICE_S, BACKGROUND_EVERY_S = 0.05, 0.3
 # the daemon hears of it, and on 2 CPUs a back-fill or a catch-up writing back to back took half of the CPU that
 # process ran on: under `bench/hooks.py --background-catchup` the slowest spawns waited 15-35 ms for a CPU the
 # writer's thread held (`bench/schedtrace.py`, closing note of stop 65). Resting, it leaves that CPU free two thirds
-# of the time. 30 rounds of that bench, all ten kinds pooled: p95 30.4 -> 24.1 ms, p99 42.8 -> 30.8 ms; resting four
-# times the hold did no better (23.8, 31.7 ms) and slowed the catch-up further (events observed during the rounds:
-# 27.4k unpaced, 20.2k, 13.4k). On a machine the agent has left (no hook for AGENT_ACTIVE_S) it runs unpaced.
+# of the time. In 30 rounds of that bench (the observer's catch-up), a spawn's wait (its wall time less its own CPU
+# time, which the machine's speed changes run to run), all ten kinds pooled, at p95 / p99: 15.2-17.5 / 22.6-32.4 ms
+# in three runs unpaced, 9.7-12.9 / 14.5-19.4 ms in three runs paced; the interpreter floor's own spawns waited less
+# too. Resting four times the hold did no better (8.7 / 17.2) and slowed the catch-up further. A catch-up while the
+# agent works is slower (observed during those rounds: 27.4k events unpaced, 20.2-25.4k paced); on a machine the
+# agent has left (no hook for AGENT_ACTIVE_S) it runs unpaced.
 AGENT_ACTIVE_S = 30.0
 # A live event that came this long after the one before it came alone (an agent's hooks are processes started one after
 # another, 10 ms and more apart; hooks that come together, from many agents or a replay, are under a millisecond
