@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -260,6 +261,16 @@ def _coerce(name: str, kind: type, raw: Any) -> Any:
 
 
 _KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+# Settings whose value must lie within bounds (inclusive): outside them the daemon would misbehave, not just differ
+# (a rest ratio of inf held background work back for good).
+BOUNDS: dict[str, tuple[float, float]] = {"background_rest_ratio": (0.0, 10.0)}
+
+
+def _bounded(name: str, value: Any) -> Any:
+    low, high = BOUNDS.get(name, (-math.inf, math.inf))
+    if isinstance(value, int | float) and not (low <= value <= high):  # NaN fails both comparisons
+        raise BadRequest(f"config {name}: {value!r} is outside {low:g} to {high:g}")
+    return value
 
 
 def load_config(env: Mapping[str, str] | None = None) -> Config:
@@ -284,11 +295,11 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
             continue
         kind = _KINDS[f.type] if isinstance(f.type, str) else f.type
         if f.name in file_values:
-            values[f.name] = _coerce(f.name, kind, file_values[f.name])
+            values[f.name] = _bounded(f.name, _coerce(f.name, kind, file_values[f.name]))
             sources[f.name] = str(paths.config_file)
         env_name = ENV_PREFIX + f.name.upper()
         if env_name in env:
-            values[f.name] = _coerce(f.name, kind, env[env_name])
+            values[f.name] = _bounded(f.name, _coerce(f.name, kind, env[env_name]))
             sources[f.name] = f"env {env_name}"
     projects = _project_tables(file_values.get("project"), paths.config_file)
     return Config(**values, paths=paths, sources=sources, projects=projects)

@@ -25,6 +25,7 @@ from conftest import REPO, REQUIRE_ALL
 
 from loomd.client import Client
 from loomd.config import load_config
+from loomd.errors import BadRequest
 from loomd.installer import services
 
 SHIM = REPO / "shims" / "loom-hook"
@@ -301,3 +302,18 @@ def test_loom_install_systemd_says_what_failed_when_the_user_manager_is_away(tmp
     assert done.returncode != 0
     assert "systemctl --user daemon-reload" in done.stderr and "Failed to connect to bus" in done.stderr
     assert (user_home / ".config" / "systemd" / "user" / services.SERVICE_UNIT).exists()  # written before the failure
+
+
+def test_a_setting_with_bounds_refuses_a_value_outside_them(tmp_path: Path) -> None:
+    """`background_rest_ratio` takes 0 (never rest) to 10, from the environment or the file; anything else (negative,
+    inf, NaN, past 10) is refused with its name, as an unreadable value is: inf held background work back for good."""
+    env = {"HOME": str(tmp_path), "LOOMD_HOME": str(tmp_path / "h")}
+    for good in ("0", "2", "10"):
+        assert load_config({**env, "LOOMD_BACKGROUND_REST_RATIO": good}).background_rest_ratio == float(good)
+    for bad in ("-1", "inf", "nan", "10.5", "often"):
+        with pytest.raises(BadRequest, match="background_rest_ratio"):
+            load_config({**env, "LOOMD_BACKGROUND_REST_RATIO": bad})
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "config.toml").write_text("background_rest_ratio = 50\n")
+    with pytest.raises(BadRequest, match="outside 0 to 10"):
+        load_config(env)

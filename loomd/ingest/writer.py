@@ -83,18 +83,20 @@ RESUME_AFTER_S = 0.002
 # slices above: those cut an import's commits, these give background work its time.
 YIELD_MAX_S = 10.0
 BACKGROUND_SLICE_S, BACKGROUND_EVERY_S = 0.05, 0.3
-# While the agent works (a live event came in the last AGENT_ACTIVE_S), background work also paces itself: after each
-# of its transactions it rests `background_rest_ratio` (2) times as long as the transaction held the writer (`ran`),
-# so it runs at most a third of the time. A hook's process starts and runs its interpreter (12-15 ms of CPU) before
-# the daemon hears of it, and on 2 CPUs a back-fill or a catch-up writing back to back took half of the CPU that
-# process ran on: under `bench/hooks.py --background-catchup` the slowest spawns waited 15-35 ms for a CPU the
-# writer's thread held (`bench/schedtrace.py`, closing note of stop 65). Resting, it leaves that CPU free two thirds
-# of the time. In 30 rounds of that bench (the observer's catch-up), a spawn's wait (its wall time less its own CPU
-# time, which the machine's speed changes run to run), all ten kinds pooled, at p95 / p99: 15.2-17.5 / 22.6-32.4 ms
-# in three runs unpaced, 9.7-12.9 / 14.5-19.4 ms in three runs paced; the interpreter floor's own spawns waited less
-# too. Resting four times the hold did no better (8.7 / 17.2) and slowed the catch-up further. A catch-up while the
-# agent works is slower (observed during those rounds: 27.4k events unpaced, 20.2-25.4k paced); on a machine the
-# agent has left (no hook for AGENT_ACTIVE_S) it runs unpaced.
+# While the agent works (a live event came in the last AGENT_ACTIVE_S), background work also paces itself: after each of
+# its transactions it rests `background_rest_ratio` (2) times as long as the transaction held the writer (`ran`), so it
+# runs about a third of the time (a background transaction already waiting for the writer when another ends still goes
+# first; the scheduler's job rows and a transaction that gave way to a hook are not held). A hook's process starts and
+# runs its interpreter (12-15 ms of CPU) before the daemon hears of it, and on 2 CPUs a back-fill or a catch-up writing
+# back to back took half of the CPU that process ran on: under `bench/hooks.py --background-catchup` the slowest spawns
+# waited 15-35 ms for a CPU the writer's thread held (`bench/schedtrace.py`, closing note of stop 65). Resting, it
+# leaves that CPU free most of the time. Runs of 30 rounds of that bench (the observer's catch-up), a spawn's wait (its
+# wall time less its own CPU time, which the machine's speed changes run to run), all ten kinds pooled, at p95 / p99:
+# 15.2-17.5 / 22.6-32.4 ms in three runs unpaced, 9.7-12.9 / 14.5-19.4 ms in three runs paced; the interpreter floor's
+# own spawns waited less too. One run resting four times the hold gave 8.7 / 17.2 ms, within the spread of those paced
+# at two, and observed half as much. A catch-up while the agent works is slower (events observed during the rounds:
+# 27.4k in each run unpaced, 20.2-25.4k paced); on a machine the agent has left (no hook for AGENT_ACTIVE_S) it runs
+# unpaced.
 AGENT_ACTIVE_S = 30.0
 # A live event that came this long after the one before it came alone (an agent's hooks are processes started one after
 # another, 10 ms and more apart; hooks that come together, from many agents or a replay, are under a millisecond
@@ -121,11 +123,10 @@ class LiveTraffic:
         """A background transaction held the writer `seconds` (`WriteTurns`): while the agent works, background work
         rests `ratio` times that long before its next one (`busy`)."""
         now = time.monotonic() if now is None else now
-        if ratio > 0 and now - self.last < AGENT_ACTIVE_S:
-            rest = ratio * seconds
-            self._rest_until = max(self._rest_until, now + rest)
-            self.rests += 1
-            self.rested_s += rest
+        if ratio > 0 and now - self.last < AGENT_ACTIVE_S and (until := now + ratio * seconds) > self._rest_until:
+            self.rests += 1  # counted as it lengthens the rest under way, if one is (two holds back to back)
+            self.rested_s += until - max(self._rest_until, now)
+            self._rest_until = until
 
     def busy(self, now: float | None = None) -> bool:
         """True while live events arrive (none has paused LIVE_QUIET_S), and while background work rests (`ran`);

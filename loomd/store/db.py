@@ -260,8 +260,8 @@ class Store:
         # The log's checkpoints, off the writer (which never runs one: `open`), after the commits' syncs.
         self.checkpoints = Checkpoints(functools.partial(connect_sync, path, busy_timeout_ms=busy_timeout_ms),
                                        copied=self._log_copied)
-        # Seconds until work held for live hooks may resume (the daemon wires `LiveTraffic.resume_in`): the log is
-        # started over in the hooks' pause (`restart_log`).
+        # Seconds until work held for live hooks may resume (the daemon wires `LiveTraffic.resume_in`, which also
+        # waits out background work's rest): the log is started over in the hooks' pause (`restart_log`).
         self.resume_in: Callable[[], float] = lambda: 0.0
         self.restarts = 0  # logs started over by `restart_log` (`status`)
         self._loop = asyncio.get_running_loop()

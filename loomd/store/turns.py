@@ -21,10 +21,17 @@ HOLDER: ContextVar[str] = ContextVar("writer_holder", default="other")
 HOLDS_KEPT = 4096  # per key: the last this many durations make its percentiles
 
 
-def background(holder: str) -> bool:
+def is_background_holder(holder: str) -> bool:
     """Whether a holder is background work (a worker's run, the back-fill), which paces itself by its holds
     (`WriteTurns.background_held`)."""
     return holder == "backfill" or holder.startswith("worker:")
+
+
+def next_look(left: float | None, poll: float) -> float:
+    """How long background work held back (`ingest.writer.LiveTraffic`) sleeps before it looks at its hold again:
+    until the hold should end (`left` seconds; a millisecond at least, as it may have ended just now), or `poll` when
+    that is not known or later."""
+    return poll if left is None else min(poll, max(left, 0.001))
 
 
 class Durations:
@@ -106,7 +113,7 @@ class WriteTurns:
             held, holder = time.perf_counter() - began, HOLDER.get()
             self.holds.record(holder, held * 1000)
             self._release()
-            if background(holder):
+            if is_background_holder(holder):
                 self.background_held(held)
 
     async def _acquire(self, urgent: bool) -> None:

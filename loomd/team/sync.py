@@ -161,8 +161,8 @@ class SyncEngine:
             private = self.private.current()
             if evidence_of in private:
                 return
-            rows = await (local.outgoing(self.store.reader, private, batch) if evidence_of is None
-                          else local.evidence_outgoing(self.store.reader, evidence_of, batch))
+            rows = await (local.outgoing(self.store.background, private, batch) if evidence_of is None
+                          else local.evidence_outgoing(self.store.background, evidence_of, batch))
             if not rows:
                 return
             if unsynced is not None and self.store.durable_commits <= unsynced:

@@ -22,7 +22,7 @@ from loomd.memory import release_memory
 from loomd.offload import Offload, lower_thread_priority
 from loomd.store.db import DB_ERRORS, Store, connect_sync, open_reader
 from loomd.store.trip import commit_in_one_trip
-from loomd.store.turns import HOLDER
+from loomd.store.turns import HOLDER, next_look
 from loomd.vectors.backfill import BATCH, Backlog, Plan, apply_plan, load_index, plan_batch, scan, update_recurrence
 from loomd.vectors.embed import (
     LOCAL_NAME,
@@ -76,8 +76,7 @@ class Yielding:
 
     def _wait_out_hold(self) -> None:
         while self.hold():
-            left = self.resume_in()
-            if self.closing.wait(min(VectorService.HOLD_POLL_S, left) if left else VectorService.HOLD_POLL_S):
+            if self.closing.wait(next_look(self.resume_in(), VectorService.HOLD_POLL_S)):
                 return
 
 
@@ -141,7 +140,8 @@ class VectorService:
         # 2-CPU machine the model took as much CPU as the import's parsing and commits together (niceness cannot
         # arbitrate when the whole daemon runs niced); what the import writes is embedded when it is done.
         self.hold: Callable[[], bool] = lambda: False
-        # Seconds until the hold ends if no hook comes meanwhile, when known (a rest after its last write: a few ms).
+        # Seconds until the hold ends if no hook comes meanwhile, when known (`LiveTraffic.resume_in`; None: an
+        # import holds it).
         self.resume_in: Callable[[], float | None] = lambda: None
 
     # --- lifecycle -------------------------------------------------------------------------------------------
@@ -184,8 +184,7 @@ class VectorService:
         failures = 0
         while not should_exit.is_set():
             if self.hold():  # `caught_up` stays False: the import's writes woke us
-                left = self.resume_in()
-                await asyncio.sleep(min(self.HOLD_POLL_S, left) if left else self.HOLD_POLL_S)
+                await asyncio.sleep(next_look(self.resume_in(), self.HOLD_POLL_S))
                 continue
             if time.monotonic() - last_full > self.FULL_RESCAN_S:
                 self._cursor, last_full = 0, time.monotonic()

@@ -24,6 +24,7 @@ from loomd.store.db import Store
 from loomd.store.entities import extract_entities
 from loomd.store.memories import MemoryWriter, content_hash, estimate_tokens
 from loomd.store.trip import commit_in_one_trip, in_one_trip
+from loomd.store.turns import next_look
 from loomd.team.sync import SyncEngine
 from loomd.workers.steps import Observation
 
@@ -86,15 +87,15 @@ class WorkerContext:
     # begun in a pause of the hooks would otherwise write on, chunk after chunk, while they stream: every ack waited
     # behind its transactions and its CPU (ack p99 7 -> 53 ms with 8 clients after a 4,000-event session).
     hold: Callable[[], bool] = lambda: False
-    # Seconds until the hold ends if no hook comes meanwhile, when known (a rest after a transaction: a few ms).
+    # Seconds until the hold ends if no hook comes meanwhile, when known (the hooks' pause, a rest after a
+    # background transaction: `LiveTraffic.resume_in`); None: an import holds it.
     resume_in: Callable[[], float | None] = lambda: None
 
     async def turn(self) -> None:
         """Wait until the run may take the writer (`hold`): looking again when the hold should end, or HOLD_POLL_S
         later, whichever comes first."""
         while self.hold():  # noqa: ASYNC110 - a predicate of time (hooks pausing, a slice coming): no event marks it
-            left = self.resume_in()
-            await asyncio.sleep(min(HOLD_POLL_S, left) if left else HOLD_POLL_S)
+            await asyncio.sleep(next_look(self.resume_in(), HOLD_POLL_S))
 
     @asynccontextmanager
     async def write(self, dry_run: bool) -> AsyncIterator[aiosqlite.Connection]:

@@ -262,7 +262,7 @@ class ModelDistiller:
             return []
         out: list[Observation] = []
         for prompt in chunk_prompts(render_steps(steps)):
-            used = await budget_used(self.store.reader)
+            used = await budget_used(self.store.background)
             cost = (len(SYSTEM_PROMPT) + len(prompt)) // 4 + MAX_OUTPUT_TOKENS
             if used + cost > self.daily_tokens:
                 self.last_error = (f"a request of about {cost} tokens would pass the daily model budget "
