@@ -154,17 +154,24 @@ async def test_a_waiter_cancelled_as_the_turn_passes_over_it_leaves_the_writer_f
 OBSERVED = "SELECT count(*) FROM memories WHERE session_id = 'yield' AND kind = 'observation'"
 
 
+RULE = "From now on never use print for logging, use the logging module."
+
+
+def transcript_events(session: str, project: str, said: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """A session's messages (kind, text) as the `ingest` op takes them: a live submission."""
+    return [{"agent": "claude", "session_id": session, "kind": kind, "payload": {"text": text},
+             "ts": 1_700_000_000 + i, "project": project, "source": "transcript", "key": f"t:{session}:{i}"}
+            for i, (kind, text) in enumerate(said)]
+
+
 async def test_a_scheduled_worker_run_writes_nothing_while_hooks_stream(quiet: tuple[Daemon, AsyncClient]) -> None:
     """A run the scheduler started in a pause of the hooks (here: woken by an event) waits before each transaction
     while they stream: it did not write on, chunk after chunk, behind every hook's commit. A manual run is never
     held (the rest of the suite runs them while hooks come)."""
     d, client = quiet
-    said = "From now on never use print for logging, use the logging module."
-    events = [{"agent": "claude", "session_id": "yield", "kind": kind, "payload": {"text": text},
-               "ts": 1_700_000_000 + i, "project": "proj-y", "source": "transcript", "key": f"t:yield:{i}"}
-              for i, (kind, text) in enumerate([("user_message", said), ("assistant_message", "Noted, logging it is."),
-                                                ("user_message", "Now add retries to the uploader.")])]
-    await client.call("ingest", events=events)
+    await client.call("ingest", events=transcript_events("yield", "proj-y", [
+        ("user_message", RULE), ("assistant_message", "Noted, logging it is."),
+        ("user_message", "Now add retries to the uploader.")]))
     streaming, hooks = True, 0
 
     async def stream() -> None:  # back to back: never the pause (LIVE_QUIET_S) that lets background work run
@@ -270,11 +277,9 @@ async def test_a_scheduled_run_rests_after_each_of_its_transactions(quiet: tuple
     """A run the scheduler started while the agent works rests after every transaction it commits (the writer tells
     `LiveTraffic.ran`), and `status` counts the rests."""
     d, client = quiet
-    said = "From now on never use print for logging, use the logging module."
-    events = [{"agent": "claude", "session_id": "rest", "kind": kind, "payload": {"text": f"{text} ({i})"},
-               "ts": 1_700_000_000 + i, "project": "proj-r", "source": "transcript", "key": f"t:rest:{i}"}
-              for i, (kind, text) in enumerate([("user_message", said), ("assistant_message", "Noted.")] * 40)]
-    await client.call("ingest", events=events)  # live: the agent works
+    said = [("user_message", RULE), ("assistant_message", "Noted.")] * 40
+    await client.call("ingest", events=transcript_events("rest", "proj-r", [
+        (kind, f"{text} ({i})") for i, (kind, text) in enumerate(said)]))  # live: the agent works
     await asyncio.sleep(LIVE_QUIET_S + 0.05)  # ... and has paused, so that the run is not held for its hooks
 
     def background_holds(status: dict[str, Any]) -> int:
@@ -307,13 +312,9 @@ async def test_the_workers_never_read_on_the_hooks_reader(quiet: tuple[Daemon, A
     held busy, each runs to its end. (The digest's, the dropper's and the reflector's choice of projects scanned the
     memories there, 3-15 ms each at 15k memories, and a prompt's recall queued behind them.)"""
     d, client = quiet
-    said = "From now on never use print for logging, use the logging module."
-    events = [{"agent": "claude", "session_id": f"reads-{n}", "kind": kind, "payload": {"text": f"{text} ({n})"},
-               "ts": 1_700_000_000 + 2 * n + i, "project": "proj-reads", "source": "transcript",
-               "key": f"t:reads:{n}:{i}"}
-              for n in range(3) for i, (kind, text) in enumerate([("user_message", said),
-                                                                   ("assistant_message", "Noted.")])]
-    await client.call("ingest", events=events)
+    for n in range(3):
+        await client.call("ingest", events=transcript_events(f"reads-{n}", "proj-reads", [
+            ("user_message", f"{RULE} ({n})"), ("assistant_message", f"Noted. ({n})")]))
     for n in range(3):
         await d.scheduler.run("observer", session_id=f"reads-{n}")  # observations for the others to read
     busy, free = threading.Event(), threading.Event()
