@@ -38,7 +38,7 @@ from loomd.ingest.tailer import Tailer
 from loomd.ingest.writer import EventWriter
 from loomd.ops import Ops, Services
 from loomd.protocol import Request
-from loomd.search.retrieval import Hit, SearchContext, search_hits
+from loomd.search.retrieval import Hit, SearchContext, recount_stale, search_hits
 from loomd.server import Server
 from loomd.store.db import Store
 from loomd.store.memories import MemoryWriter
@@ -157,7 +157,8 @@ class Daemon:
         # Captured memories commit inside ingest transactions: marked for the back-fill, which is woken, after each.
         self.writer.listeners.append(capturer.listener)
         self.writer.listeners.append(lambda _events: self.memories.changed())
-        self.planner = Planner(self.store, lambda: self.config, self.search, self.vectors.searchable)
+        self.planner = Planner(self.store, lambda: self.config, self.search, self.vectors.searchable,
+                               lambda: recount_stale(self.retrieval_context()))
         self.tailer = Tailer(self.config, self.store, self.writer)
         self.writer.listeners.append(self.tailer.listener)
         # Before the socket opens: nothing may await between serving the first request and the signal handlers.

@@ -22,6 +22,7 @@ from loomd.config import Config
 from loomd.context.relevance import _TAG, asks_memory, recalled, relevant, without_tag
 from loomd.context.render import CLOSE, OPEN, PROMPT_OPEN, Line, render_start_block, sanitise
 from loomd.daemon import Daemon
+from loomd.search import retrieval
 from loomd.search.retrieval import Hit, SignalHit
 
 CWD = "/tmp/ctxproj"
@@ -140,6 +141,39 @@ async def test_memory_text_cannot_forge_the_delimiters(client: AsyncClient) -> N
     block = await hook(client, "SessionStart", source="startup")
     assert block.count(CLOSE) == 1 and block.count(OPEN) == 1
     assert sanitise("a [/loom] b") == "a (/loom] b"
+
+
+async def test_a_prompts_recall_never_counts_the_memories_on_the_hooks_reader(
+    client: AsyncClient, daemon: Daemon, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt's recall ranks with the memories' count made before, whatever its age, and a count past its time is
+    made again on the workers' connection after the hook's reply, never on the hooks' reader: the count reads a whole
+    index, 14 ms of a recall during a catch-up."""
+    for i in range(5):
+        await remember(client, f"The flaky webhook test {i} needs REDIS_URL set; CI exports it in ci.yml")
+    retrieval._TOTALS.clear()
+    assert await hook(client, "UserPromptSubmit", session="n1", prompt="why is the webhook test flaky in CI?")
+    monkeypatch.setattr(retrieval, "TOTAL_FRESH_S", 0.0)  # a count is past its time as soon as a write follows it
+    await remember(client, "The webhook test also needs the fixtures rebuilt after a schema change")
+    count = "SELECT count(*) FROM memories m WHERE 1"
+    traced: dict[str, list[str]] = {"reader": [], "background": []}
+    connections = {"reader": daemon.store.reader, "background": daemon.store.background}
+    for name, conn in connections.items():
+        await conn._execute(conn._conn.set_trace_callback, traced[name].append)
+    try:
+        await hook(client, "UserPromptSubmit", session="n2", prompt="why is the webhook test flaky in CI again?")
+        on_reader = list(traced["reader"])
+        for _ in range(300):
+            if any(count in sql for sql in traced["background"]):
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        for conn in connections.values():
+            await conn._execute(conn._conn.set_trace_callback, None)
+    assert any("MATCH" in sql for sql in on_reader), on_reader  # the recall searched there
+    assert not any(count in sql for sql in on_reader), on_reader
+    assert any(count in sql for sql in traced["background"]), traced["background"]
+    assert [total for key, (_, _, total) in retrieval._TOTALS.items() if key[1] == "1"] == [6]
 
 
 async def test_prompt_recall_injects_once_and_skips_noise(client: AsyncClient) -> None:

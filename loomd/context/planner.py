@@ -30,6 +30,7 @@ from loomd.context.render import (
     render_recall_block,
     render_start_block,
 )
+from loomd.errors import LoomdError
 from loomd.ingest.events import Event
 from loomd.ingest.project import project_folder
 from loomd.ingest.sentences import clean_user_text
@@ -96,11 +97,14 @@ class Planner:
 
     def __init__(
         self, store: Store, config: Callable[[], Config], search: Search, semantic: Callable[[], bool],
+        recount: Callable[[], Awaitable[int]],
     ) -> None:
         self.store = store
         self.config = config
         self.search = search
         self.semantic = semantic  # whether vector search can answer now
+        self.recount = recount  # counts the recalls used past their time, counted again (`retrieval.recount_stale`)
+        self._recounting: asyncio.Task[None] | None = None
         self._follow_ups: dict[str, asyncio.Task[list[Line]]] = {}
         self._follow_up_room: dict[str, int] = {}  # what the prompt's hook block left of its budget
         # Injected ids whose write has not committed yet: already part of the session's set for the next recall.
@@ -203,10 +207,26 @@ class Planner:
                                     FOLLOW_UP_TIMEOUT_S)
 
     async def close(self) -> None:
-        """Stop the follow-ups; let the injected marks commit."""
+        """Stop the follow-ups and the recount; let the injected marks commit."""
         for session_id in list(self._follow_ups):
             self._drop_follow_up(session_id)
+        if self._recounting is not None:
+            self._recounting.cancel()
+            await asyncio.gather(self._recounting, return_exceptions=True)
         await asyncio.gather(*self._mark_tasks, return_exceptions=True)
+
+    def _recount_soon(self) -> None:
+        """After a recall, the counts it used past their time are counted again, apart and once its hook's reply is
+        out (`FOLLOW_UP_AFTER_S`, as a follow-up): never while a hook waits (`retrieval._total`'s `cached`)."""
+        if self._recounting is None or self._recounting.done():
+            self._recounting = asyncio.create_task(self._recount_later())
+
+    async def _recount_later(self) -> None:
+        await asyncio.sleep(FOLLOW_UP_AFTER_S)
+        try:
+            await self.recount()
+        except (LoomdError, sqlite3.Error, ValueError) as exc:  # ValueError: the store closed meanwhile
+            log.info("could not count the memories again: %r", exc)
 
     async def _injected(self, session_id: str) -> set[int]:
         raw = await self.store.scalar("SELECT injected FROM sessions WHERE id = ?", (session_id,))
@@ -346,7 +366,8 @@ class Planner:
         cfg = self.config()
         room = recall_room(cfg.prompt_block_chars, cfg.prompt_block_lines)  # every line its share, the first too
         hits = await self.search(query=prompt[:2000], limit=12, project=project, window_chars=room, lead_chars=room,
-                                 **(keyword if keyword_only else {"tuning": {"ending": 0}}))
+                                 cached_counts=True, **(keyword if keyword_only else {"tuning": {"ending": 0}}))
+        self._recount_soon()
         hits = [h for h in hits if _foreign(h.memory, session_id)]
         return [_recall_line(h.memory) for h in recalled(hits, cfg.prompt_min_score, prompt)]
 
