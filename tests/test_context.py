@@ -148,7 +148,7 @@ async def test_a_prompts_recall_never_counts_the_memories_on_the_hooks_reader(
 ) -> None:
     """A prompt's recall ranks with the memories' count made before, whatever its age, and a count past its time is
     made again on the workers' connection after the hook's reply, never on the hooks' reader: the count reads a whole
-    index, 14 ms of a recall during a catch-up."""
+    index, 14 ms of a recall during a catch-up. Its search is the one trip it makes to the hooks' reader."""
     for i in range(5):
         await remember(client, f"The flaky webhook test {i} needs REDIS_URL set; CI exports it in ci.yml")
     retrieval._TOTALS.clear()
@@ -172,6 +172,8 @@ async def test_a_prompts_recall_never_counts_the_memories_on_the_hooks_reader(
             await conn._execute(conn._conn.set_trace_callback, None)
     assert any("MATCH" in sql for sql in on_reader), on_reader  # the recall searched there
     assert not any(count in sql for sql in on_reader), on_reader
+    # What the session was shown is read on the loop's thread, after the search: no trip of its own to the reader.
+    assert not any("SELECT injected" in sql for sql in on_reader), on_reader
     assert any(count in sql for sql in traced["background"]), traced["background"]
     assert [total for key, (_, _, total) in retrieval._TOTALS.items() if key[1] == "1"] == [6]
 

@@ -229,7 +229,15 @@ class Planner:
             log.info("could not count the memories again: %r", exc)
 
     async def _injected(self, session_id: str) -> set[int]:
-        raw = await self.store.scalar("SELECT injected FROM sessions WHERE id = ?", (session_id,))
+        """The memories this session was shown. Read on the loop's thread (`Store.read_here`): a lookup by key, which
+        costs less than a trip to the reader's thread and back (a trip of its own waited 0.1-3.5 ms for the reader
+        during a catch-up); a read that finds the database busy goes to the reader."""
+        sql, params = "SELECT injected FROM sessions WHERE id = ?", (session_id,)
+        try:
+            row = self.store.read_here(lambda conn: conn.execute(sql, params).fetchone())
+            raw = row[0] if row is not None else None
+        except sqlite3.OperationalError:
+            raw = await self.store.scalar(sql, params)
         return (set(json.loads(raw)) if raw else set()) | set(self._marking.get(session_id, ()))
 
     def _mark_later(
@@ -334,17 +342,19 @@ class Planner:
             return "", []
         cfg = self.config()
         deferred = not inline and self.semantic()
-        found = asyncio.gather(self._injected(session_id),
-                               self._recall_lines(session_id, project, said, keyword_only=deferred))
+        # Awaited in this task, not gathered with the injected ids' read in tasks of their own: the search's one trip
+        # to the reader's thread is queued at once, and the ids are read after it, on the loop's thread (`_injected`).
+        found = self._recall_lines(session_id, project, said, keyword_only=deferred)
         if inline:
-            seen, lines = await found
+            lines = await found
         elif (done := await _recall_in_time(found, cfg.prompt_recall_budget_ms)) is not None:
-            seen, lines = done
+            lines = done
         else:
             log.info("the keyword recall of a prompt in session %s took over %d ms: its block follows with the next"
                      " tool result", session_id, cfg.prompt_recall_budget_ms)
             self._follow_up(session_id, project, said, cfg.prompt_block_chars)
             return "", []
+        seen = await self._injected(session_id)
         text, ids = render_recall_block([line for line in lines if line.id not in seen], cfg.prompt_block_chars,
                                         cfg.prompt_block_lines)
         left = cfg.prompt_block_chars - len(text)
@@ -372,15 +382,15 @@ class Planner:
         return [_recall_line(h.memory) for h in recalled(hits, cfg.prompt_min_score, prompt)]
 
 
-async def _recall_in_time(found: asyncio.Future[tuple[set[int], list[Line]]],
-                          budget_ms: int) -> tuple[set[int], list[Line]] | None:
+async def _recall_in_time(found: Awaitable[list[Line]], budget_ms: int) -> list[Line] | None:
     """The keyword recall's result if it is done within `budget_ms`, else None (it is cancelled). Past the hook's
     deadline the recall was lost; past this budget, set inside that deadline, it follows with the next tool result.
     Not 10 ms by default, though that would hold the hooks bench's UserPromptSubmit to its target more often (its
     answer at p99 under a catch-up: 12-23 ms against 32-43): the prompts that ask memory something are the ones an
     agent may answer with no tool call, and then a block that follows is dropped with the turn."""
     try:
-        return await asyncio.wait_for(found, max(budget_ms, 0) / 1000)
+        async with asyncio.timeout(max(budget_ms, 0) / 1000):  # in this task: `wait_for` would start one of its own
+            return await found
     except TimeoutError:
         return None
 
