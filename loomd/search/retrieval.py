@@ -592,6 +592,7 @@ def _generation(ctx: SearchContext) -> int:
 def _keep_total(key: tuple[int, str, str], generation: int, total: int) -> None:
     if len(_TOTALS) > 1000:
         _TOTALS.clear()
+        _STALE.clear()  # what it names is gone: counted afresh when next searched
     _TOTALS[key] = (generation, time.monotonic(), total)
 
 
