@@ -567,7 +567,7 @@ def _total(ctx: SearchContext, conn: sqlite3.Connection, where: str, params: Seq
             if not fresh:
                 _STALE.add(key)
             return known[2]
-    total = int(conn.execute(f"SELECT count(*) FROM memories m WHERE {where}", params).fetchone()[0] or 0)
+    total = int(conn.execute(_count_sql(where), params).fetchone()[0] or 0)
     _keep_total(key, generation, total)
     return total
 
@@ -579,10 +579,14 @@ async def recount_stale(ctx: SearchContext) -> int:
     for key in keys:
         _STALE.discard(key)
         generation = _generation(ctx)  # before the count: a write meanwhile leaves it stale
-        row = await ctx.store.fetchone(f"SELECT count(*) FROM memories m WHERE {key[1]}", json.loads(key[2]),
-                                       background=True)
+        row = await ctx.store.fetchone(_count_sql(key[1]), json.loads(key[2]), background=True)
         _keep_total(key, generation, int(row[0] or 0) if row is not None else 0)
     return len(keys)
+
+
+def _count_sql(where: str) -> str:
+    """The one count `_total` keeps, of the memories passing `where`, whichever connection runs it."""
+    return f"SELECT count(*) FROM memories m WHERE {where}"
 
 
 def _generation(ctx: SearchContext) -> int:
