@@ -54,7 +54,10 @@ LANES = ("embed", "query", "work", "parse")
 BACKGROUND = frozenset({"embed", "work"})  # the lanes nobody waits on: the back-fill, the workers' text work
 AUTOGROUP = "/proc/self/autogroup"  # this process's session's scheduling group (Linux autogroups), its niceness
 GROUP_LOW_NICE = 19
-GROUP_LIFT_HOLD_S = 1.0  # after a call someone waits on, the helper's group stays at full weight this long
+# After a call someone waits on, the helper's group stays at full weight this long (no change per call: the kernel
+# takes one every 100 ms). Not longer: the lifted group runs the idle-class lanes at full weight too, and a prompt's
+# follow-up search (its query embedded 50 ms after the hook's reply) held it up through the agent's next hook.
+GROUP_LIFT_HOLD_S = 0.2
 DIRECT = ("query",)  # lanes with a pipe of their own, called from a thread (`call_sync`), one call at a time
 SHORT_SLICE_NS = 100_000  # the shortest time slice Linux grants a task (0.1 ms)
 _SCHED_ATTR = struct.Struct("=IIQiIQQQ")  # struct sched_attr as first defined (48 bytes): size, policy, flags, nice,
