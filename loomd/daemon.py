@@ -123,6 +123,9 @@ class Daemon:
         # hook took to arrive, the shim's send time to its frame cut here (its connect, and the loop's wait to read).
         self.answered = Durations(max_keys=SERVICE_KEYS)
         self.arrived = Durations(max_keys=SERVICE_KEYS)
+        # Lowered while only background work runs, lifted by every request (`SchedulingGroup`): kept only by a daemon
+        # that owns its process and leads its session, as its service manager starts it.
+        self.group = offload.SchedulingGroup(lifts=True)
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
@@ -144,6 +147,8 @@ class Daemon:
         # (shared by the daemons of one process, restarted by the supervisor below). Started now, before any client
         # is served: starting it holds the interpreter lock 20-50 ms, which a client would otherwise feel.
         self.offload = offload.shared()
+        if self.owns_process and self.group.start(own_session=False):
+            self.offload.own_group = False  # the helper stays in our session, so in the group we lower and lift
         await asyncio.to_thread(self.offload.ensure_started)
         self.writer = EventWriter(self.store, max_pending=self.config.max_inflight, offload=self.offload)
         self.writer.start()
@@ -190,7 +195,7 @@ class Daemon:
             planner=self.planner, search=self.retrieval_context, scheduler=self.scheduler, runtime=self.runtime,
             history=self.history, sync=self.sync, shared_search=self.shared_search, journal=self.journal))
         self.server = Server(self.ops.handlers(), max_frame=self.config.max_frame_bytes,
-                             max_inflight=self.config.max_inflight, served=self._served)
+                             max_inflight=self.config.max_inflight, served=self._served, group=self.group)
         if self.listen_sock is not None:
             # systemd owns this socket file: never unlinked here. Shims and the CLI only find it at our path.
             bound = self.listen_sock.getsockname()
@@ -369,7 +374,7 @@ class Daemon:
             "import": {"running": self.history.active, "files_in_flight": self.history.in_flight},
             "journal": self.journal.status() if self.journal is not None else {"on": False},
             "service": {"answer": self.answered.summary(), "arrival": self.arrived.summary()},
-            "memory": memory.usage(), "time_slice_ns": offload.thread_slice(),
+            "memory": memory.usage(), "time_slice_ns": offload.thread_slice(), "scheduling_group": self.group.status(),
             # Each thread's Linux id and what it does: what a scheduler trace or `top -H` shows by id.
             "threads": {str(t.native_id): t.name for t in threading.enumerate()},
         }

@@ -76,6 +76,8 @@ class Offload:
         # After each call's reply, the child hands its freed heap back (`release_memory`): for calls that each build a
         # large result, in a process that then waits (`loom import`'s parsers), not for small frequent ones.
         self.trim = trim
+        # False: the daemon keeps a scheduling group that holds the child too (`SchedulingGroup`); it makes none.
+        self.own_group = True
         self._lock = threading.Lock()
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
@@ -112,7 +114,8 @@ class Offload:
             parent, child = ctx.Pipe()
             direct = {lane: ctx.Pipe() for lane in DIRECT}
             proc = ctx.Process(target=_child_main, args=(child, self.nice, {k: c for k, (_, c) in direct.items()},
-                                                         self.idle, self.trim), name="loomd-offload", daemon=True)
+                                                         self.idle, self.trim, self.own_group),
+                               name="loomd-offload", daemon=True)
             proc.start()
             child.close()
             for _, end in direct.values():
@@ -376,17 +379,22 @@ def autogroups_on() -> bool:
 
 
 class SchedulingGroup:
-    """The helper's own scheduling group, where Linux has autogroups: niceness 19 while only background work runs;
-    0 (full weight) while a call someone waits on runs (a search's query, a hook's parse: `lifted`), and for
-    GROUP_LIFT_HOLD_S after.
+    """A process's scheduling group, where Linux has autogroups: niceness 19 while only background work runs; 0 (full
+    weight) while something someone waits on runs (`lifted`, `enter`/`leave`), and for GROUP_LIFT_HOLD_S after.
+
+    Two processes keep one. The daemon, when its service manager started it in a session of its own (`start` with
+    `own_session=False`): every client request lifts it. Otherwise the helper, in a session it makes: a search's
+    query and a hook's parse lift it (the daemon's group, if kept, holds the helper too, which then makes none).
 
     Linux schedules each session as one group (`kernel.sched_autogroup_enabled`, on in most desktop distributions),
-    and SCHED_IDLE ranks a thread only against the other threads of its group. In the daemon's session (its service
-    manager gives it one), the helper's idle-class lanes took as much CPU as the agent's whole session whenever
-    both wanted it: during a catch-up, a CPU job of one process per CPU in another session took 2.03x as long as
-    alone; with the helper's group at 19, 0.99x (`bench/yields.py`, 2 CPUs, stop 54). At 19 for good, though, a
-    search starved behind a busy session (8 -> 133 ms at the median with two busy loops running; lifted, 9.5 ms),
-    hence the lift.
+    and SCHED_IDLE ranks a thread only against the other threads of its group. In the daemon's session, the helper's
+    idle-class lanes took as much CPU as the agent's whole session whenever both wanted it: during a catch-up, a CPU
+    job of one process per CPU in another session took 2.03x as long as alone; with the helper's group at 19, 0.99x
+    (`bench/yields.py`, 2 CPUs, stop 54). The daemon's own threads (the writer's background transactions, the
+    loop's share of a catch-up) did the same at their normal priority: a process of the agent's session started
+    during a catch-up waited 3.19 ms for a CPU at the median, 1.01 with the daemon's group at 19 (`bench/hooks.py
+    --background-catchup 48000`'s floor, five runs each way, stop 69). At 19 for good, though, a search starved
+    behind a busy session (8 -> 133 ms at the median with two busy loops running; lifted, 9.5 ms), hence the lift.
 
     An unprivileged process may set its own group's niceness anywhere from 0 to 19, but the kernel takes one change
     every 100 ms at most, machine-wide (EAGAIN): a lift refused leaves that call at the low weight (a machine with a
@@ -402,37 +410,54 @@ class SchedulingGroup:
         self._lifted = 0  # calls running lifted
         self._ended = 0.0  # monotonic time the last lifted call ended
 
-    def start(self) -> bool:
-        """Make a session of this process's own and lower its group; False where there are no autogroups."""
+    def start(self, own_session: bool = True) -> bool:
+        """Lower this process's group, in a session it makes (`own_session`) or, if not, in the one it leads already;
+        False where there are no autogroups, or it cannot make one, or does not lead one (a `loomd` run in a
+        terminal shares the terminal's session and group: lowering them would lower the user's shell)."""
         if not autogroups_on():
             return False
-        try:
-            os.setsid()
-        except OSError:
+        if own_session:
+            try:
+                os.setsid()
+            except OSError:
+                return False
+        elif os.getsid(0) != os.getpid():
             return False
         self.enabled = True
         with self._lock:
             self._set(GROUP_LOW_NICE)
-        threading.Thread(target=self._lower, name="offload-group", daemon=True).start()
+        threading.Thread(target=self._lower, name="scheduling-group", daemon=True).start()
         return True
 
     @contextlib.contextmanager
     def lifted(self) -> Iterator[None]:
         """Around a call someone waits on: the group at full weight while it runs."""
-        if not (self.enabled and self.lifts):
+        self.enter()
+        try:
             yield
+        finally:
+            self.leave()
+
+    def enter(self) -> None:
+        """Something someone waits on begins: the group at full weight until it ends (`leave`)."""
+        if not (self.enabled and self.lifts):
             return
         with self._lock:
             self._lifted += 1
             if self.nice != 0:
                 self._set(0)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._lifted -= 1
-                self._ended = time.monotonic()
-                self._changed.notify()
+
+    def leave(self) -> None:
+        """What `enter` began has ended: the group is lowered GROUP_LIFT_HOLD_S after the last such end."""
+        if not (self.enabled and self.lifts):
+            return
+        with self._lock:
+            self._lifted -= 1
+            self._ended = time.monotonic()
+            self._changed.notify()
+
+    def status(self) -> dict[str, Any]:
+        return {"on": self.enabled, "nice": self.nice if self.enabled else None}
 
     def _set(self, nice: int) -> bool:
         """Under the lock."""
@@ -457,7 +482,7 @@ class SchedulingGroup:
 
 
 def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | None = None, idle: bool = False,
-                trim: bool = False) -> None:
+                trim: bool = False, own_group: bool = True) -> None:
     """Serve calls until the parent goes away (the pipe closes); each lane on its own thread, a direct lane's thread
     reading its own pipe.
 
@@ -475,10 +500,11 @@ def _child_main(conn: Connection, nice: int, direct: dict[str, Connection] | Non
 
     SCHED_IDLE ranks threads within one scheduling group only, and with Linux autogroups each session is one: so the
     helper also runs in a session of its own, whose group is niced 19 except while a call someone waits on runs
-    (`SchedulingGroup`): otherwise its idle-class lanes took half of a busy CPU from the agent's session."""
+    (`SchedulingGroup`): otherwise its idle-class lanes took half of a busy CPU from the agent's session. Unless the
+    daemon keeps such a group (`own_group` False): the helper stays in it, lowered and lifted with the daemon."""
     per_thread = sys.platform.startswith("linux")
     group = SchedulingGroup(lifts=not idle)
-    if nice or idle:
+    if (nice or idle) and own_group:
         group.start()
     if idle:  # before any thread starts: they inherit it
         idle_priority()

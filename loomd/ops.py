@@ -125,7 +125,7 @@ class Ops:
                        "paced": {"rests": self.s.writer.live.rests, "rested_s": round(self.s.writer.live.rested_s, 3)}},
             "shared": await self.s.sync.status() if self.s.sync is not None else {"configured": False},
             "service": run["service"], "memory": run["memory"], "time_slice_ns": run["time_slice_ns"],
-            "threads": run["threads"],
+            "scheduling_group": run["scheduling_group"], "threads": run["threads"],
         }
 
     def _storage(self, db: Path) -> dict[str, Any]:

@@ -9,10 +9,13 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from loomd import protocol
 from loomd.errors import FrameTooLarge, LoomdError, UnknownOp
+
+if TYPE_CHECKING:
+    from loomd.offload import SchedulingGroup
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +25,9 @@ Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 Served = Callable[[protocol.Request, float, float], None]
 # Health probes answer even under overload, so `loom status` can say why the daemon is busy.
 PROBES = frozenset({"ping", "status"})
+# Requests that do not lift the daemon's scheduling group (`Server.group`): `loom import`'s files, background work the
+# daemon is asked for (held to what the machine has to spare, as the catch-up it leaves).
+UNLIFTED = frozenset({"import_file"})
 # How long a refused peer has to finish sending before the connection closes (see `Connection.connection_made`).
 REFUSED_LINGER_S = 0.2
 
@@ -48,9 +54,10 @@ class Server:
     """Accepts connections, checks the peer's uid, and serves pipelined requests on each."""
 
     def __init__(self, handlers: dict[str, Handler], *, max_frame: int, max_inflight: int,
-                 served: Served | None = None) -> None:
+                 served: Served | None = None, group: SchedulingGroup | None = None) -> None:
         self.handlers = handlers
         self.served = served
+        self.group = group  # at full weight while a request runs (`SchedulingGroup.enter`), but UNLIFTED's
         self.max_frame = max_frame
         self.max_inflight = max_inflight
         self.inflight: set[asyncio.Task[None]] = set()
@@ -99,11 +106,15 @@ class Server:
         received = time.time() - (now - began)
         rid: Any = None
         request: protocol.Request | None = None
+        lifted: SchedulingGroup | None = None  # the group this request lifted, to lower as it ends
         try:
             message = protocol.decode_body(body)
             rid = protocol.request_id(message)
             request = protocol.parse_request(message)
             self.requests += 1
+            if self.group is not None and request.op not in UNLIFTED:
+                lifted = self.group
+                lifted.enter()
             if len(self.inflight) > self.max_inflight and request.op not in PROBES:
                 reply = protocol.error_reply(rid, "busy", "too many requests in flight; retry or spool")
             else:
@@ -119,6 +130,9 @@ class Server:
         except Exception as exc:  # noqa: BLE001 - the boundary: one request never kills the daemon
             log.exception("internal error in a request")
             reply = protocol.error_reply(rid, "internal", f"internal error: {type(exc).__name__}")
+        finally:
+            if lifted is not None:
+                lifted.leave()
         conn.send(reply)
         if self.served is not None and request is not None:
             self.served(request, received, (time.perf_counter() - began) * 1000)
