@@ -39,6 +39,11 @@ def rows(home: Path, sql: str, params: dict[str, Any] | tuple[Any, ...] = ()) ->
         conn.close()
 
 
+def niceness(autogroup: str) -> int:
+    """The niceness in a /proc autogroup file's text: "/autogroup-123 nice 19"."""
+    return int(autogroup.split()[-1])
+
+
 def wait_for(cond: Callable[[], Any], what: str, within: float = 60.0) -> Any:
     deadline = time.monotonic() + within
     while not (value := cond()):
@@ -144,7 +149,7 @@ def test_the_helper_has_a_scheduling_group_of_its_own_lowered_except_while_a_cal
     group = Path("/proc/self/autogroup")
 
     def nice_of(helper: Offload, lane: str) -> int:
-        return int(helper.call_sync(lane, group.read_text).split()[-1])  # "/autogroup-123 nice 19", the child's
+        return niceness(helper.call_sync(lane, group.read_text))  # the child's own, read inside the call
 
     helper = Offload()
     try:
@@ -175,7 +180,7 @@ def test_the_helper_has_a_scheduling_group_of_its_own_lowered_except_while_a_cal
 
 
 def autogroup_nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])  # "/autogroup-123 nice 19"
+    return niceness(Path(f"/proc/{pid}/autogroup").read_text())
 
 
 def test_a_daemon_leading_its_session_lowers_its_group_with_its_helper_in_it_except_while_a_request_runs(
